@@ -1,0 +1,1 @@
+"""kvctl: the operator command line for kvagentd."""

@@ -1,0 +1,163 @@
+"""Contracts of the tiered KV cache. Implementations live beside this file.
+
+Layout (fixed, layout version 1): a block is the K and V of `block_tokens` consecutive tokens
+for all layers, contiguous, shape `(num_layers, 2, num_kv_heads, block_tokens, head_dim)`
+(index 0 = K, 1 = V). A pool is one preallocated tensor `(capacity, *block_shape)`; a block
+lives in a *slot* of a pool. Only full blocks are stored and content-addressed; the tokens of a
+session's last, partial block are recomputed by the engine on the next request (as vLLM does),
+so they are private to that request by construction.
+
+Slots handed out by `ensure_resident` / `allocate_hot` are valid only until the matching
+`release`; between requests blocks may move (placement, defrag), so the engine never keeps slot
+numbers across requests.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable, NamedTuple, Sequence
+
+import torch
+
+LAYOUT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def block_numel(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @classmethod
+    def from_model_config(cls, config: object, block_tokens: int, dtype: torch.dtype) -> KVGeometry:
+        """From a transformers PretrainedConfig (Llama-style attributes)."""
+        heads = getattr(config, "num_attention_heads")
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size") // heads
+        return cls(getattr(config, "num_hidden_layers"), kv_heads, head_dim, block_tokens, dtype)
+
+
+class Tier(enum.Enum):
+    HOT = "hot"
+    WARM = "warm"
+    COLD = "cold"
+
+
+BlockKey = bytes  # 16-byte content hash; hex for display
+
+
+class MatchResult(NamedTuple):
+    """Longest run of full blocks, from the start of the token ids, known to the store."""
+
+    keys: list[BlockKey]
+    num_tokens: int  # len(keys) * block_tokens
+
+
+class Residency(NamedTuple):
+    """Outcome of `ensure_resident`.
+
+    `slots[i]` is the hot slot of `keys[i]` for i < len(slots). If a block could not be made
+    resident (lost, corrupt, unreadable), `slots` stops before it and `missing_from` is its
+    index: the caller recomputes the tokens from that block on. Blocks after a missing one are
+    not loaded. `loaded` counts blocks by the tier they came from.
+    """
+
+    slots: list[int]
+    missing_from: int | None
+    loaded: dict[str, int]
+
+
+class KVStore(ABC):
+    """The store facade used by the engine, placement and maintenance.
+
+    Thread-safe: one internal owner lock guards metadata; copies and I/O run outside it.
+    Nothing raises out of these methods for a storage fault: faults become `missing`.
+    """
+
+    geometry: KVGeometry
+
+    @abstractmethod
+    def block_keys(self, token_ids: Sequence[int]) -> list[BlockKey]:
+        """Keys of every full block of `token_ids` in this store's namespace."""
+
+    @abstractmethod
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Longest prefix of full blocks present in any tier (not LOST)."""
+
+    @abstractmethod
+    def ensure_resident(self, keys: Sequence[BlockKey], session: str) -> Residency:
+        """Bring `keys` into the hot pool (warm->hot copy, batched cold reads staged via warm)
+        and hold a use-reference on each until `release`. May demote idle blocks to make room."""
+
+    @abstractmethod
+    def hot_arena(self) -> torch.Tensor:
+        """The hot pool tensor `(capacity, *block_shape)`; index it with slots."""
+
+    @abstractmethod
+    def allocate_hot(self, n: int, session: str) -> list[int] | None:
+        """`n` private hot slots for blocks being computed, or None when the hot pool cannot
+        provide them even after demoting idle blocks. Held until `commit` or `release`."""
+
+    @abstractmethod
+    def commit(self, session: str, token_ids: Sequence[int], slots: Sequence[int],
+               first_block: int) -> list[BlockKey]:
+        """Publish freshly computed full blocks: `slots[j]` holds block `first_block + j` of
+        `token_ids`. A key that already exists keeps its existing copy and the duplicate slot
+        is freed. Returns the keys. The use-references stay until `release`."""
+
+    @abstractmethod
+    def release(self, session: str) -> None:
+        """Drop every use-reference and private slot that `session` holds."""
+
+    @abstractmethod
+    def record_access(self, keys: Iterable[BlockKey], session: str) -> None:
+        """Tell the heat map / trace that these blocks were used by one inference event."""
+
+    @abstractmethod
+    def promote(self, keys: Sequence[BlockKey], tier: Tier) -> int:
+        """Move blocks up to `tier`; returns how many moved. Capacity limits are a status."""
+
+    @abstractmethod
+    def demote(self, keys: Sequence[BlockKey], tier: Tier) -> int:
+        """Move blocks down to `tier` (hot->warm->cold); returns how many moved."""
+
+    @abstractmethod
+    def pin(self, keys: Sequence[BlockKey]) -> None: ...
+
+    @abstractmethod
+    def unpin(self, keys: Sequence[BlockKey]) -> None: ...
+
+    @abstractmethod
+    def drop_session(self, session: str, keys: Sequence[BlockKey]) -> None:
+        """Forget the session's reference to `keys`; blocks no session references are freed."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, object]:
+        """JSON-ready counters: per tier blocks/bytes/capacity, hits, lost, migrations."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError-like `IntegrityError` on any broken invariant."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Persist what must survive (config `kv.persist_on_shutdown`) and release files."""
