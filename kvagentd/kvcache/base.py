@@ -133,8 +133,10 @@ class KVStore(ABC):
         """Tell the heat map / trace that these blocks were used by one inference event."""
 
     @abstractmethod
-    def promote(self, keys: Sequence[BlockKey], tier: Tier) -> int:
-        """Move blocks up to `tier`; returns how many moved. Capacity limits are a status."""
+    def promote(self, keys: Sequence[BlockKey], tier: Tier, *, background: bool = False) -> int:
+        """Move blocks up to `tier`; returns how many moved. Capacity limits are a status.
+        `background=True` (prefetch) uses the low-priority, bounded I/O queue and never delays
+        a foreground `ensure_resident`."""
 
     @abstractmethod
     def demote(self, keys: Sequence[BlockKey], tier: Tier) -> int:
@@ -151,6 +153,19 @@ class KVStore(ABC):
         """Forget the session's reference to `keys`; blocks no session references are freed."""
 
     @abstractmethod
+    def snapshot(self) -> list[BlockInfo]:
+        """Metadata of every known block, for placement / prefetch / defrag planning."""
+
+    @abstractmethod
+    def relocate(self, tier: Tier, moves: Sequence[tuple[int, int]]) -> int:
+        """Defrag primitive: move idle blocks between slots of one pool (src, dst) atomically
+        with respect to readers; skips blocks in use; returns how many moved."""
+
+    @abstractmethod
+    def evict(self, keys: Sequence[BlockKey]) -> int:
+        """Forget blocks entirely (cold TTL expiry, space floor); skips pinned or in-use."""
+
+    @abstractmethod
     def stats(self) -> dict[str, object]:
         """JSON-ready counters: per tier blocks/bytes/capacity, hits, lost, migrations."""
 
@@ -161,3 +176,59 @@ class KVStore(ABC):
     @abstractmethod
     def close(self) -> None:
         """Persist what must survive (config `kv.persist_on_shutdown`) and release files."""
+
+
+class BlockInfo(NamedTuple):
+    """One row of `KVStore.snapshot()`: what policy code needs to plan, nothing more."""
+
+    key: BlockKey
+    tier: Tier | None  # None while MIGRATING or LOST
+    pinned: bool
+    in_use: bool  # held by a running request (must stay hot)
+    sessions: tuple[str, ...]
+    last_access: float  # wall-clock seconds (time.time()) of the last access
+    nbytes: int
+
+
+class ColdBackend(ABC):
+    """A directory of checksummed cold records (the SSD cold tier, or the /dev/shm shadow).
+
+    Expected outcomes are return values: `put` returns False when full or read-only; `read_into`
+    returns False when the record is missing, unreadable or fails its checksum (and counts it).
+    """
+
+    @abstractmethod
+    def put(self, key: BlockKey, block: torch.Tensor, *, session: str = "", num_tokens: int = 0) -> bool:
+        """Encode `block` (CPU tensor of `geometry.block_shape`) and store it durably."""
+
+    @abstractmethod
+    def read_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Read and verify each record into its CPU destination tensor; batched, sequential I/O."""
+
+    @abstractmethod
+    def contains(self, key: BlockKey) -> bool: ...
+
+    @abstractmethod
+    def delete(self, keys: Iterable[BlockKey]) -> int: ...
+
+    @abstractmethod
+    def keys(self) -> list[BlockKey]: ...
+
+    @abstractmethod
+    def snapshot(self) -> list[BlockInfo]:
+        """Metadata of every known block, for placement / prefetch / defrag planning."""
+
+    @abstractmethod
+    def relocate(self, tier: Tier, moves: Sequence[tuple[int, int]]) -> int:
+        """Defrag primitive: move idle blocks between slots of one pool (src, dst) atomically
+        with respect to readers; skips blocks in use; returns how many moved."""
+
+    @abstractmethod
+    def evict(self, keys: Sequence[BlockKey]) -> int:
+        """Forget blocks entirely (cold TTL expiry, space floor); skips pinned or in-use."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, object]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
