@@ -86,7 +86,7 @@ class ControlConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    source: Literal["embedded", "hf_dir", "gguf"] = "embedded"
+    source: Literal["embedded", "hf_dir", "gguf", "none"] = "embedded"  # none: no LLM (control + features only)
     path: Path | None = None  # hf_dir: a directory; gguf: a .gguf file
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -396,7 +396,7 @@ def _cross_checks(cfg: Config) -> None:
     if cfg.placement.warm_factor > cfg.placement.hot_factor:
         raise ConfigError("placement.warm_factor", cfg.placement.warm_factor,
                           f"a number <= placement.hot_factor ({cfg.placement.hot_factor})")
-    if cfg.model.source != "embedded" and cfg.model.path is None:
+    if cfg.model.source in ("hf_dir", "gguf") and cfg.model.path is None:
         raise ConfigError("model.path", None, f"a path when model.source = {cfg.model.source!r}")
     if cfg.kv.io_unit_bytes % 4096:
         raise ConfigError("kv.io_unit_bytes", cfg.kv.io_unit_bytes, "a multiple of 4096")
