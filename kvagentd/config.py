@@ -201,6 +201,7 @@ class MaintenanceConfig:
     sysfs_root: Path = Path("/sys")
     proc_root: Path = Path("/proc")
     nr_requests_min: int = field(default=64, metadata=_rng(1, 1 << 16))
+    systemd_dir: Path = Path("/etc/systemd/system")  # where fstrim.timer's enablement link lives
 
 
 @dataclass(frozen=True, slots=True)
