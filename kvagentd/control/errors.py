@@ -1,0 +1,125 @@
+"""API errors and the one place that maps exceptions to them.
+
+Handlers raise `ApiError` subclasses for expected failures (bad input, not found, busy ...).
+`to_api_error()` is the single mapping from any exception to an `ApiError`; the server calls it
+for everything a handler raises and renders the result as
+`{"error": {"kind": ..., "message": ...}}` with the error's HTTP status.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    """An error the control API reports to its client. `kind` is stable; `message` is for humans."""
+
+    status: int = 500
+    kind: str = "internal"
+
+    def __init__(self, message: str, *, kind: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if kind is not None:
+            self.kind = kind
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"kind": self.kind, "message": self.message}}
+
+
+class BadRequest(ApiError):
+    status, kind = 400, "bad_request"
+
+
+class Forbidden(ApiError):
+    status, kind = 403, "forbidden"
+
+
+class NotFound(ApiError):
+    status, kind = 404, "not_found"
+
+
+class MethodNotAllowed(ApiError):
+    status, kind = 405, "method_not_allowed"
+
+
+class RequestTimeout(ApiError):
+    status, kind = 408, "request_timeout"
+
+
+class Busy(ApiError):
+    """The daemon cannot take this now (queue full, operation already running); retry later."""
+
+    status, kind = 409, "busy"
+
+
+class LengthRequired(ApiError):
+    status, kind = 411, "length_required"
+
+
+class TooLarge(ApiError):
+    status, kind = 413, "too_large"
+
+
+class Internal(ApiError):
+    status, kind = 500, "internal"
+
+
+class NotImplementedMethod(ApiError):
+    status, kind = 501, "not_implemented"
+
+
+class NotReady(ApiError):
+    """The daemon (or the service a route needs) is not up yet, or is shutting down."""
+
+    status, kind = 503, "not_ready"
+
+
+class Timeout(ApiError):
+    """The work was accepted but did not finish within its deadline."""
+
+    status, kind = 504, "timeout"
+
+
+# Exceptions raised below the control layer, mapped by qualified class name so that importing
+# this module never imports the engine (torch) or the store. Checked along the exception's MRO.
+_MAPPED_BY_NAME: dict[str, type[ApiError]] = {
+    "kvagentd.config.ConfigError": BadRequest,
+    "kvagentd.engine.executor.QueueFull": Busy,
+    "concurrent.futures._base.TimeoutError": Timeout,
+    "builtins.TimeoutError": Timeout,
+    "json.decoder.JSONDecodeError": BadRequest,
+}
+
+_BY_STATUS: dict[int, type[ApiError]] = {
+    cls.status: cls
+    for cls in (BadRequest, Forbidden, NotFound, MethodNotAllowed, RequestTimeout, Busy,
+                LengthRequired, TooLarge, Internal, NotImplementedMethod, NotReady, Timeout)
+}
+
+
+def to_api_error(exc: BaseException) -> ApiError:
+    """Map any exception to the `ApiError` the client sees.
+
+    Unknown exceptions become `Internal` with a message that does not leak internals; the
+    caller logs the traceback.
+    """
+    if isinstance(exc, ApiError):
+        return exc
+    for cls in type(exc).__mro__:
+        target = _MAPPED_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
+        if target is not None:
+            return target(str(exc) or target.kind.replace("_", " "))
+    return Internal("internal error; the daemon log has the details")
+
+
+def for_status(status: int, message: str) -> ApiError:
+    """The `ApiError` for an HTTP status (used for protocol-level errors found by the parser)."""
+    cls = _BY_STATUS.get(status)
+    if cls is None:
+        err = ApiError(message, kind="bad_request" if 400 <= status < 500 else "internal")
+        err.status = status
+        return err
+    return cls(message)

@@ -1,0 +1,16 @@
+"""Route modules of the control API; each has `register(router, daemon) -> None`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvagentd.control.handlers import core
+from kvagentd.control.router import Router
+
+MODULES = (core,)
+
+
+def register_all(router: Router, daemon: Any) -> None:
+    """Register the routes of every module in `MODULES` on `router`."""
+    for module in MODULES:
+        module.register(router, daemon)

@@ -1,0 +1,50 @@
+"""Core routes: liveness, readiness, status, health, config, metrics, shutdown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvagentd.config import RELOADABLE, config_to_dict
+from kvagentd.control.errors import NotReady
+from kvagentd.control.router import Request, Response, Router
+
+
+def register(router: Router, daemon: Any) -> None:
+    """`daemon` provides: ready, status(), health(), config, config_path, metrics,
+    request_shutdown(reason)."""
+
+    @router.route("GET", "/v1/livez", change=False)
+    def livez(req: Request) -> dict[str, Any]:
+        return {"alive": True}
+
+    @router.route("GET", "/v1/readyz", change=False)
+    def readyz(req: Request) -> dict[str, Any]:
+        if not daemon.ready:
+            raise NotReady(f"kvagentd is {daemon.phase}")
+        return {"ready": True}
+
+    @router.route("GET", "/v1/status", change=False)
+    def status(req: Request) -> dict[str, Any]:
+        return daemon.status()
+
+    @router.route("GET", "/v1/health", change=False)
+    def health(req: Request) -> Response:
+        report = daemon.health()
+        return Response(report, status=503 if report["status"] == "failing" else 200)
+
+    @router.route("GET", "/v1/config", change=False)
+    def config(req: Request) -> dict[str, Any]:
+        return {"path": str(daemon.config_path) if daemon.config_path else None,
+                "reloadable": sorted(RELOADABLE),
+                "config": config_to_dict(daemon.config)}
+
+    @router.route("GET", "/v1/metrics", change=False)
+    def metrics(req: Request) -> Response:
+        return Response(generate_latest(daemon.metrics), content_type=CONTENT_TYPE_LATEST)
+
+    @router.route("POST", "/v1/shutdown", change=True)
+    def shutdown(req: Request) -> dict[str, Any]:
+        daemon.request_shutdown(f"api request from uid {req.peer.uid} pid {req.peer.pid}")
+        return {"stopping": True}
