@@ -1,0 +1,230 @@
+"""A transformers `Cache` whose storage is the store's hot pool.
+
+Each request has a block table: the hot slots of its reused blocks (filled by `load_blocks`)
+followed by private slots for the blocks it computes (`bind_new_slots`). Attention needs the
+session's K/V as one `(1, kv_heads, tokens, head_dim)` tensor per layer, so the cache keeps a
+per-request *working copy* laid out block-compatible, `(layers, 2, 1, kv_heads, capacity,
+head_dim)`: it is filled once from the hot blocks at resume (one gather), new K/V are appended
+in place (no `torch.cat` per step), and every block that becomes full is written back to its
+hot slot right after the last layer produced it. Between requests the hot pool is the storage;
+the working copy is scratch that `Workspaces` reuses, so steady state allocates nothing.
+
+Works as `cache=` for a Llama-style model's forward and for `generate`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvagentd.kvcache.base import KVGeometry
+
+
+class HotPoolExhausted(RuntimeError):
+    """More blocks became full than private hot slots were bound for this request."""
+
+
+class Workspaces:
+    """Reusable working-copy buffers, one per running request, grown by doubling."""
+
+    def __init__(self, geometry: KVGeometry, device: torch.device | str) -> None:
+        self.geometry = geometry
+        self.device = torch.device(device)
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, tokens: int) -> torch.Tensor:
+        g = self.geometry
+        need = -(-tokens // g.block_tokens) * g.block_tokens
+        with self._lock:
+            fits = [b for b in self._free if b.shape[4] >= need]
+            if fits:
+                buf = min(fits, key=lambda b: b.shape[4])
+                self._free.remove(buf)
+                return buf
+            if self._free:  # replace the largest too-small buffer instead of keeping both
+                self._free.remove(max(self._free, key=lambda b: b.shape[4]))
+        cap = g.block_tokens
+        while cap < need:
+            cap *= 2
+        return torch.empty((g.num_layers, 2, 1, g.num_kv_heads, cap, g.head_dim),
+                           dtype=g.dtype, device=self.device)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() * b.element_size() for b in self._free)
+
+
+class HotPoolLayer(CacheLayerMixin):
+    """One layer's view of the working copy."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, owner: HotPoolCache, index: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.index = index
+        self.length = 0
+        self.is_initialized = True
+        self.device = owner.work.device
+        self._bind()
+
+    def _bind(self) -> None:
+        self.k_buf = self.owner.work[self.index, 0]  # (1, H, cap, D)
+        self.v_buf = self.owner.work[self.index, 1]
+        self.keys = self.k_buf[:, :, : self.length]
+        self.values = self.v_buf[:, :, : self.length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, new = self.length, key_states.shape[-2]
+        if n + new > self.k_buf.shape[-2]:
+            self.owner._grow(n + new)
+        self.k_buf[:, :, n: n + new].copy_(key_states)
+        self.v_buf[:, :, n: n + new].copy_(value_states)
+        self.length = n + new
+        self.keys = self.k_buf[:, :, : self.length]
+        self.values = self.v_buf[:, :, : self.length]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+        self._bind()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:  # transformers' legacy form: the absolute length to keep
+            self.length = min(self.length, tokens_to_remove)
+        else:
+            self.length = max(0, self.length + tokens_to_remove)
+        self._bind()
+
+
+class HotPoolCache(Cache):
+    """KV cache of one request over the hot pool `arena` (`(capacity, *geometry.block_shape)`).
+
+    Contract: slots passed to `load_blocks` / `bind_new_slots` stay valid (held by the store)
+    for the lifetime of this object; `written` lists `(block_index, slot)` of every block this
+    request wrote back, in order, for `KVStore.commit`.
+    """
+
+    def __init__(self, geometry: KVGeometry, arena: torch.Tensor | None,
+                 work: torch.Tensor, *, workspaces: Workspaces | None = None) -> None:
+        self.geometry = geometry
+        self.arena = arena
+        self.work = work
+        self.workspaces = workspaces
+        super().__init__(layers=[HotPoolLayer(self, i) for i in range(geometry.num_layers)])
+        self.new_slots: list[int] | None = None
+        self.written: list[tuple[int, int]] = []
+        self._stored_blocks = 0  # blocks [0, _stored_blocks) are already in the hot pool
+
+    # -- request setup ----------------------------------------------------------------------
+
+    def load_blocks(self, slots: Sequence[int]) -> None:
+        """Fill the working copy with the hot blocks `slots` (token order) and mark them stored."""
+        if self.arena is None:
+            raise ValueError("load_blocks needs the hot arena")
+        g, n = self.geometry, len(slots)
+        if n == 0:
+            return
+        tokens = n * g.block_tokens
+        if tokens > self.work.shape[4]:
+            self._grow(tokens)
+        idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.arena.device)
+        blocks = self.arena.index_select(0, idx)  # (n, L, 2, H, bt, D)
+        dst = self.work[:, :, 0, :, :tokens].unflatten(3, (n, g.block_tokens))  # (L,2,H,n,bt,D)
+        dst.copy_(blocks.permute(1, 2, 3, 0, 4, 5))
+        for layer in self.layers:
+            layer.length = tokens
+            layer._bind()
+        self._stored_blocks = n
+
+    def bind_new_slots(self, slots: Sequence[int]) -> None:
+        """Private hot slots that receive, in order, each block that becomes full from now on."""
+        self.new_slots = list(slots)
+
+    def release_workspace(self) -> None:
+        if self.workspaces is not None:
+            self.workspaces.release(self.work)
+            self.workspaces = None
+
+    # -- Cache API --------------------------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        if layer_idx == len(self.layers) - 1:
+            self._write_back()
+        return keys, values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _write_back(self) -> None:
+        """Copy every block that became full into its private hot slot."""
+        if self.new_slots is None or self.arena is None:
+            return
+        bt = self.geometry.block_tokens
+        full = self.layers[-1].length // bt
+        while self._stored_blocks < full:
+            b = self._stored_blocks
+            j = len(self.written)
+            if j >= len(self.new_slots):
+                raise HotPoolExhausted(f"block {b} is full but only {len(self.new_slots)} "
+                                       f"private hot slots were bound")
+            slot = self.new_slots[j]
+            self.arena[slot].copy_(self.work[:, :, 0, :, b * bt:(b + 1) * bt])
+            self.written.append((b, slot))
+            self._stored_blocks += 1
+
+    def _grow(self, tokens: int) -> None:
+        g = self.geometry
+        cap = self.work.shape[4]
+        while cap < tokens:
+            cap *= 2
+        new = torch.empty((*self.work.shape[:4], cap, g.head_dim), dtype=self.work.dtype,
+                          device=self.work.device)
+        n = max(layer.length for layer in self.layers)
+        new[:, :, :, :, :n].copy_(self.work[:, :, :, :, :n])
+        if self.workspaces is not None:  # the old buffer goes back for a smaller request
+            self.workspaces.release(self.work)
+        self.work = new
+        for layer in self.layers:
+            layer._bind()
+
+
+def new_cache(geometry: KVGeometry, arena: torch.Tensor | None, tokens: int,
+              workspaces: Workspaces | None = None,
+              device: torch.device | str = "cpu") -> HotPoolCache:
+    """A cache for a request of at most about `tokens` tokens (it grows if needed)."""
+    if workspaces is not None:
+        work = workspaces.acquire(tokens)
+    else:
+        bt = geometry.block_tokens
+        cap = max(bt, -(-tokens // bt) * bt)
+        work = torch.empty((geometry.num_layers, 2, 1, geometry.num_kv_heads, cap,
+                            geometry.head_dim), dtype=geometry.dtype,
+                           device=arena.device if arena is not None else device)
+    return HotPoolCache(geometry, arena, work, workspaces=workspaces)

