@@ -33,6 +33,12 @@ class BadRequest(ApiError):
     status, kind = 400, "bad_request"
 
 
+class BadConfig(BadRequest):
+    """A configuration (for example a reloaded file) is invalid."""
+
+    kind = "bad_config"
+
+
 class Forbidden(ApiError):
     status, kind = 403, "forbidden"
 
@@ -86,7 +92,7 @@ class Timeout(ApiError):
 # Exceptions raised below the control layer, mapped by qualified class name so that importing
 # this module never imports the engine (torch) or the store. Checked along the exception's MRO.
 _MAPPED_BY_NAME: dict[str, type[ApiError]] = {
-    "kvagentd.config.ConfigError": BadRequest,
+    "kvagentd.config.ConfigError": BadConfig,
     "kvagentd.engine.executor.QueueFull": Busy,
     "concurrent.futures._base.TimeoutError": Timeout,
     "builtins.TimeoutError": Timeout,

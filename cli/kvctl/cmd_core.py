@@ -1,0 +1,146 @@
+"""kvctl status | health | config show."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from kvctl import render
+from kvctl.common import (EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, opts)
+
+# Keys of /v1/status that the daemon itself fills; every other dict-valued key is a service.
+_CORE_KEYS = {"version", "pid", "phase", "ready", "started_at", "uptime_s", "config_path",
+              "host", "gpu", "gpu_reason", "control", "scheduler", "services"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("status")(status)
+    app.command("health")(health)
+    config_app = typer.Typer(help="Inspect the daemon's configuration.", no_args_is_help=True)
+    config_app.command("show")(config_show)
+    app.add_typer(config_app, name="config")
+
+
+def status(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
+           timeout: TimeoutOpt = None) -> None:
+    """Version, uptime, readiness, host memory/disk, GPU and every service's state."""
+    o = opts(ctx, socket, json_out, timeout)
+    render.emit(o, call(o, "GET", "/v1/status"), render_status)
+
+
+def health(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
+           timeout: TimeoutOpt = None) -> None:
+    """Health checks; exits 1 when the daemon reports itself failing."""
+    o = opts(ctx, socket, json_out, timeout)
+    report = call(o, "GET", "/v1/health", ok=(503,))
+    render.emit(o, report, render_health)
+    if report.get("status") == "failing":
+        raise typer.Exit(EX_FAILURE)
+
+
+def config_show(ctx: typer.Context,
+                section: Annotated[str | None, typer.Argument(
+                    help="only this section, e.g. kv or control")] = None,
+                socket: SocketOpt = None, json_out: JsonOpt = False,
+                timeout: TimeoutOpt = None) -> None:
+    """The configuration the daemon runs with (after environment overrides)."""
+    o = opts(ctx, socket, json_out, timeout)
+    reply = call(o, "GET", "/v1/config")
+    cfg = reply["config"]
+    if section is not None:
+        if section not in cfg:
+            from kvctl.common import usage_error
+            usage_error(o, f"no config section {section!r}; sections: {', '.join(cfg)}")
+        reply = {**reply, "config": {section: cfg[section]}}
+    render.emit(o, reply, render_config)
+
+
+# -- human renderers ----------------------------------------------------------------------
+
+def render_status(s: dict[str, Any]) -> str:
+    lines = [f"kvagentd {s.get('version', '?')}  {s.get('phase', '?')}"
+             f"{', ready' if s.get('ready') else ', not ready'}  up "
+             f"{render.duration(s.get('uptime_s'))}  pid {s.get('pid', '?')}"]
+    host = s.get("host") or {}
+    mem = host.get("memory") or {}
+    if mem:
+        lines.append(f"memory   {render.size(mem.get('available_bytes'))} available of "
+                     f"{render.size(mem.get('total_bytes'))} "
+                     f"({render.percent(mem.get('used_percent'))} used)"
+                     + (f"  load {host['load_1m']:.2f}" if host.get("load_1m") is not None else ""))
+    proc = host.get("process") or {}
+    if proc:
+        lines.append(f"process  rss {render.size(proc.get('rss_bytes'))}  "
+                     f"threads {proc.get('threads', '-')}  fds {proc.get('open_fds', '-')}")
+    for d in host.get("disks") or []:
+        lines.append(f"disk     {d.get('path')}  {render.size(d.get('free_bytes'))} free of "
+                     f"{render.size(d.get('total_bytes'))} ({render.percent(d.get('used_percent'))}"
+                     " used)")
+    gpus = s.get("gpu")
+    if gpus is None:
+        lines.append(f"gpu      none ({s.get('gpu_reason', 'unknown')})")
+    else:
+        for g in gpus:
+            pcie = g.get("pcie") or {}
+            link = (f"PCIe gen{pcie.get('gen', '?')} x{pcie.get('width', '?')}" if pcie else "")
+            lines.append(f"gpu{g.get('index', '')}     {g.get('name', '?')}  mem "
+                         f"{render.size(g.get('memory_used_bytes'))} / "
+                         f"{render.size(g.get('memory_total_bytes'))}  util "
+                         f"{render.percent(g.get('utilization_gpu_percent'))}  {link}".rstrip())
+    ctl = s.get("control") or {}
+    if ctl:
+        lines.append(f"control  {ctl.get('socket')}  connections {ctl.get('connections', 0)}"
+                     f"  in flight {ctl.get('in_flight', 0)}")
+    sched = s.get("scheduler") or {}
+    if sched:
+        lines.append(f"jobs     {len(sched.get('jobs') or [])} scheduled"
+                     f"{'' if sched.get('running') else ' (scheduler stopped)'}")
+    for name, value in s.items():
+        if name in _CORE_KEYS or not isinstance(value, dict):
+            continue
+        lines.append(f"{name}:")
+        lines.append(render.kv(value, 1))
+    return "\n".join(lines)
+
+
+def render_health(h: dict[str, Any]) -> str:
+    head = f"health: {h.get('status', '?')}"
+    checks = h.get("checks") or []
+    return head + "\n" + render.table(checks, [("name", "check"), ("status", "status"),
+                                               ("detail", "detail")])
+
+
+def render_config(reply: dict[str, Any]) -> str:
+    lines = [f"# {reply.get('path') or '(built-in defaults)'}"]
+    reloadable = set(reply.get("reloadable") or [])
+
+    def emit_table(prefix: str, table: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)
+                   and not (isinstance(v, list) and v and isinstance(v[0], dict))}
+        lines.append(f"\n[{prefix}]")
+        for k, v in scalars.items():
+            mark = "  # reloadable (SIGHUP)" if f"{prefix}.{k}" in reloadable else ""
+            lines.append(f"{k} = {_toml_value(v)}{mark}")
+        for k, v in table.items():
+            if isinstance(v, dict):
+                emit_table(f"{prefix}.{k}", v)
+            elif isinstance(v, list) and v and isinstance(v[0], dict):
+                for item in v:
+                    emit_table(f"{prefix}.{k}", item)
+
+    for section, table in (reply.get("config") or {}).items():
+        emit_table(section, table)
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if v is None:
+        return '""'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return str(v)

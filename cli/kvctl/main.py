@@ -1,0 +1,64 @@
+"""kvctl: operate kvagentd over its control socket.
+
+Exit codes (sysexits): 0 ok, 1 other failure, 64 usage, 69 daemon unreachable,
+75 busy / not ready / timed out (try again), 77 not permitted, 78 bad configuration.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from kvagentd import __version__
+from kvctl import cmd_core
+from kvctl.common import (DEFAULT_SOCKET, DEFAULT_TIMEOUT_S, EX_USAGE, JsonOpt, Opts, SocketOpt,
+                          TimeoutOpt)
+
+app = typer.Typer(name="kvctl", help=__doc__, no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False, rich_markup_mode=None)
+
+_CLICK_USAGE = 2
+
+# Command modules; each has register(app).
+COMMAND_MODULES = (cmd_core,)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvctl {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
+         timeout: TimeoutOpt = None,
+         version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="print the version and exit")) -> None:
+    """Operate kvagentd over its control socket."""
+    ctx.obj = Opts(socket=socket or DEFAULT_SOCKET, json=json_out,
+                   timeout=timeout if timeout is not None else DEFAULT_TIMEOUT_S)
+
+
+for _module in COMMAND_MODULES:
+    _module.register(app)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kvctl` script; returns (and exits with) the exit code."""
+    try:
+        app(args=argv, prog_name="kvctl")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    # NOTE: click reports usage errors with exit status 2; kvctl promises EX_USAGE.
+    if code == _CLICK_USAGE:
+        code = EX_USAGE
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()
