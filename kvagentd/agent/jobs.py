@@ -1,0 +1,83 @@
+"""APScheduler 3.x glue: job ids, the weekly cron text, job listing and control.
+
+Agent job ids: `agent.tick.<asset>` (interval, max_instances=1, coalesce) and
+`agent.weekly.<asset>` (cron). `list_jobs` / `run_job` / `pause_job` / `resume_job` work on any
+job of the scheduler (the control API exposes them for every service's jobs).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from typing import Any
+
+from apscheduler.jobstores.base import JobLookupError
+from apscheduler.triggers.cron import CronTrigger
+
+TICK_PREFIX = "agent.tick."
+WEEKLY_PREFIX = "agent.weekly."
+_CRON_RE = re.compile(r"^\s*([a-z,\-*]+)\s+(\d{1,2}):(\d{2})\s*$", re.IGNORECASE)
+
+
+class UnknownJob(KeyError):
+    """No job with this id."""
+
+
+def tick_job_id(asset: str) -> str:
+    return TICK_PREFIX + asset
+
+
+def weekly_job_id(asset: str) -> str:
+    return WEEKLY_PREFIX + asset
+
+
+def weekly_trigger(text: str) -> CronTrigger:
+    """`"<day-of-week> HH:MM"` (e.g. "mon 06:00", "mon-fri 18:30", "*" = every day), local time."""
+    m = _CRON_RE.match(text)
+    if not m:
+        raise ValueError(f"weekly_report_cron {text!r}: expected '<day-of-week> HH:MM'")
+    return CronTrigger(day_of_week=m.group(1).lower(), hour=int(m.group(2)),
+                       minute=int(m.group(3)))
+
+
+def job_info(job: Any) -> dict[str, Any]:
+    nrt = job.next_run_time
+    return {"id": job.id, "name": job.name, "trigger": str(job.trigger),
+            "next_run": nrt.isoformat() if nrt else None, "paused": nrt is None,
+            "max_instances": job.max_instances, "coalesce": job.coalesce}
+
+
+def list_jobs(scheduler: Any) -> list[dict[str, Any]]:
+    return [job_info(j) for j in sorted(scheduler.get_jobs(), key=lambda j: j.id)]
+
+
+def _job(scheduler: Any, job_id: str) -> Any:
+    job = scheduler.get_job(job_id)
+    if job is None:
+        raise UnknownJob(job_id)
+    return job
+
+
+def run_job(scheduler: Any, job_id: str) -> dict[str, Any]:
+    """Run a job now (its next run moves to now; a paused job runs once and stays scheduled)."""
+    job = _job(scheduler, job_id)
+    job.modify(next_run_time=dt.datetime.now(dt.timezone.utc))
+    return job_info(_job(scheduler, job_id))
+
+
+def pause_job(scheduler: Any, job_id: str) -> dict[str, Any]:
+    _job(scheduler, job_id)
+    try:
+        scheduler.pause_job(job_id)
+    except JobLookupError:
+        raise UnknownJob(job_id) from None
+    return job_info(_job(scheduler, job_id))
+
+
+def resume_job(scheduler: Any, job_id: str) -> dict[str, Any]:
+    _job(scheduler, job_id)
+    try:
+        scheduler.resume_job(job_id)
+    except JobLookupError:
+        raise UnknownJob(job_id) from None
+    return job_info(_job(scheduler, job_id))

@@ -1,0 +1,133 @@
+"""Fixtures of the agent tests: a fake executor with the engine's API, a manual scheduler clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvagentd.config import AgentConfig, AssetConfig
+
+try:
+    from kvagentd.engine.executor import GenerationRequest, QueueFull
+except ImportError:  # TRANSITIONAL: until the engine's executor module exists
+    import enum
+    import sys
+    import types
+
+    _m = types.ModuleType("kvagentd.engine.executor")
+
+    class Priority(enum.IntEnum):
+        TICK = 0
+        ASK = 1
+        REPORT = 2
+
+    @dataclasses.dataclass(frozen=True)
+    class GenerationRequest:  # type: ignore[no-redef]
+        session: str
+        text: str
+        system: str | None = None
+        max_new_tokens: int = 64
+        priority: Priority = Priority.ASK
+        deadline_s: float | None = None
+
+    class QueueFull(Exception):  # type: ignore[no-redef]
+        pass
+
+    _m.Priority, _m.GenerationRequest, _m.QueueFull = Priority, GenerationRequest, QueueFull
+    sys.modules["kvagentd.engine.executor"] = _m
+
+
+@dataclasses.dataclass
+class FakeResult:
+    text: str
+    new_tokens: int
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    queue_wait_s: float = 0.0
+
+
+class FakeJob:
+    def __init__(self, res: FakeResult | BaseException) -> None:
+        self._res = res
+
+    def result(self, timeout: float | None = None) -> FakeResult:
+        if isinstance(self._res, BaseException):
+            raise self._res
+        return self._res
+
+    def cancel(self) -> None:
+        pass
+
+    def stream(self):
+        yield self.result().text
+
+
+class FakeExecutor:
+    """Counts tokens as whitespace words; a session is the concatenation of its turns."""
+
+    def __init__(self) -> None:
+        self.requests: list[GenerationRequest] = []
+        self.sessions: dict[str, int] = {}
+        self.fail_next: BaseException | None = None
+        self.full = False
+        self.lock = threading.Lock()
+
+    def submit(self, req: GenerationRequest) -> FakeJob:
+        if self.full:
+            raise QueueFull()
+        with self.lock:
+            self.requests.append(req)
+            if self.fail_next is not None:
+                exc, self.fail_next = self.fail_next, None
+                return FakeJob(exc)
+            prior = self.sessions.get(req.session)
+            if prior is None:
+                prior = len((req.system or "").split())
+            prompt = prior + len(req.text.split())
+            answer = "Condition normal, no action needed."
+            new = len(answer.split())
+            self.sessions[req.session] = prompt + new
+        return FakeJob(FakeResult(answer, new, prompt, prior, prompt - prior))
+
+
+@pytest.fixture
+def fake_executor() -> FakeExecutor:
+    return FakeExecutor()
+
+
+class ManualClock:
+    def __init__(self, t: float = 1_800_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+def agent_config(**kw) -> AgentConfig:
+    assets = kw.pop("assets", (AssetConfig(),))
+    return AgentConfig(assets=tuple(assets), **kw)
+
+
+@pytest.fixture
+def scheduler():
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    s = BackgroundScheduler(timezone="UTC")
+    s.start(paused=True)
+    yield s
+    s.shutdown(wait=False)

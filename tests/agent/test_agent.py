@@ -1,0 +1,210 @@
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvagentd.agent import jobs, prompts
+from kvagentd.agent.agent import Agent
+from kvagentd.agent.features import Window
+from kvagentd.agent.sensors import SensorSource
+from kvagentd.config import AssetConfig, FaultConfig
+from kvagentd.engine.executor import Priority
+
+from .conftest import agent_config
+
+
+def make_agent(tmp_path, executor, scheduler, clock, **kw) -> Agent:
+    return Agent(agent_config(**kw), executor, scheduler, tmp_path, clock=clock)
+
+
+def test_tick_writes_event_and_asks_the_model_at_tick_priority(tmp_path, fake_executor,
+                                                               scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock, assessment_max_tokens=17)
+    row = ag.tick_once("pump-1")
+    assert row["kind"] == "tick" and row["zone"] == "A" and not row["anomaly"]
+    assert row["features"]["rms_mm_s"] > 0 and "BPFO" in row["features"]["envelope"]
+    assert row["session"] == "pump-1-1"
+    assert row["assessment"] == "Condition normal, no action needed."
+    assert row["latency_s"] is not None
+    (req,) = fake_executor.requests
+    assert req.priority == Priority.TICK and req.max_new_tokens == 17
+    assert req.system == prompts.SYSTEM_PROMPT and req.session == "pump-1-1"
+    assert req.text.startswith("Asset pump-1") and "rms=" in req.text
+    clock.advance(3)
+    ag.tick_once("pump-1")
+    assert fake_executor.requests[1].text.count("\n") == 0  # later turns: one observation line
+    assert ag.events.query(asset="pump-1")[0]["t"] == clock.t
+
+
+def test_rollover_starts_new_session_with_profile_and_summary(tmp_path, fake_executor,
+                                                             scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock, session_token_budget=400)
+    sessions = []
+    for _ in range(30):
+        sessions.append(ag.tick_once("pump-1")["session"])
+        clock.advance(3)
+    assert sessions[0] == "pump-1-1" and len(set(sessions)) >= 3
+    assert sessions == sorted(sessions, key=lambda s: int(s.rsplit("-", 1)[1]))
+    assert max(fake_executor.sessions.values()) <= 400
+    firsts = [r for r in fake_executor.requests if r.text.startswith("Asset pump-1")]
+    assert len(firsts) == len(set(sessions))
+    assert all(r.system == prompts.SYSTEM_PROMPT for r in fake_executor.requests)
+    assert "Recent state of pump-1 over" in firsts[1].text
+    assert ag.status()["assets"]["pump-1"]["rollovers"] == len(set(sessions)) - 1
+
+
+def test_summary_is_deterministic(tmp_path, fake_executor, scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    for _ in range(5):
+        ag.tick_once("pump-1")
+        clock.advance(3)
+    rows = ag.events.recent("pump-1", 20)
+    assert prompts.summary("pump-1", rows) == prompts.summary("pump-1", [dict(r) for r in rows])
+    assert "over 5 measurements" in prompts.summary("pump-1", rows)
+
+
+def test_session_numbering_continues_after_restart(tmp_path, fake_executor, scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    ag.tick_once("pump-1")
+    ag.events.close()
+    ag2 = make_agent(tmp_path, fake_executor, scheduler, clock)
+    assert ag2.tick_once("pump-1")["session"] == "pump-1-2"
+
+
+def test_features_only_modes(tmp_path, fake_executor, scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock,
+                    assets=(AssetConfig(name="fan", llm=False),))
+    row = ag.tick_once("fan")
+    assert row["assessment"] is None and row["session"] is None and row["zone"] == "A"
+    assert fake_executor.requests == []
+    ag2 = make_agent(tmp_path / "b", None, scheduler, clock)
+    row2 = ag2.tick_once("pump-1")
+    assert row2["assessment"] is None and row2["features"] is not None
+    assert ag2.status()["assets"]["pump-1"]["llm"] is False
+
+
+class ScriptedSource(SensorSource):
+    def __init__(self, asset: AssetConfig, windows: list) -> None:
+        self.asset, self.windows = asset, list(windows)
+
+    def read_window(self, now: float) -> Window:
+        w = self.windows.pop(0)
+        if isinstance(w, Exception):
+            raise w
+        return w
+
+
+def test_bad_samples_are_counted_and_never_crash_a_tick(tmp_path, fake_executor, scheduler,
+                                                        clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    a = ag.assets["pump-1"].asset
+    n = int(a.sample_rate_hz * a.window_s)
+    good = np.random.default_rng(0).normal(0, 1, n)
+    nan = good.copy()
+    nan[10] = np.nan
+    ag.assets["pump-1"].source = ScriptedSource(a, [
+        Window(nan, a.sample_rate_hz, "acceleration", 0.0),
+        Window(good[: n // 2], a.sample_rate_hz, "acceleration", 0.0),
+        Window(good, a.sample_rate_hz / 2, "acceleration", 0.0),
+        Window(np.zeros(n), a.sample_rate_hz, "acceleration", 0.0),
+        Window(good, a.sample_rate_hz, "acceleration", 0.0),
+    ])
+    rows = [ag.tick_once("pump-1") for _ in range(5)]
+    assert [r["kind"] for r in rows] == ["bad_data"] * 4 + ["tick"]
+    assert [r["note"].split(":")[0] for r in rows[:4]] == ["nonfinite", "length", "rate", "silent"]
+    st = ag.status()["assets"]["pump-1"]
+    assert st["bad_samples"] == {"nonfinite": 1, "length": 1, "rate": 1, "silent": 1}
+    assert st["bad_samples_total"] == 4 and st["ticks"] == 5
+    assert len(fake_executor.requests) == 1
+
+
+def test_llm_failures_are_recorded_not_raised(tmp_path, fake_executor, scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    fake_executor.fail_next = RuntimeError("engine broke")
+    r1 = ag.tick_once("pump-1")
+    fake_executor.full = True
+    r2 = ag.tick_once("pump-1")
+    fake_executor.full = False
+    r3 = ag.tick_once("pump-1")
+    assert r1["assessment"] is None and "engine broke" in r1["note"]
+    assert r2["note"] == "llm: queue full"
+    assert r3["assessment"]
+    assert ag.status()["assets"]["pump-1"]["llm_errors"] == 2
+
+
+def test_scheduler_skips_are_counted_not_piled_up(tmp_path, fake_executor, scheduler):
+    release = threading.Event()
+    calls = []
+
+    class SlowJob:
+        def result(self, timeout=None):
+            calls.append(1)
+            release.wait(10)
+            return fake_executor.submit(req_holder[0]).result()
+
+        def cancel(self):
+            pass
+
+    req_holder = []
+
+    class SlowExecutor:
+        def submit(self, req):
+            req_holder[:] = [req]
+            return SlowJob()
+
+    ag = Agent(agent_config(tick_interval_s=0.1), SlowExecutor(), scheduler, tmp_path)
+    ag.start()
+    scheduler.resume()
+    deadline = time.monotonic() + 10
+    while ag.status()["assets"]["pump-1"]["skipped_ticks"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    release.set()
+    st = ag.status()["assets"]["pump-1"]
+    ag.stop()
+    assert st["skipped_ticks"] >= 3
+    assert len(calls) <= 2  # one running tick, never a pile of them
+
+
+def test_jobs_list_run_pause_resume(tmp_path, fake_executor, scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    ag.start()
+    ids = [j["id"] for j in jobs.list_jobs(scheduler)]
+    assert ids == ["agent.tick.pump-1", "agent.weekly.pump-1"]
+    tick = jobs.job_info(scheduler.get_job("agent.tick.pump-1"))
+    assert tick["max_instances"] == 1 and tick["coalesce"] is True
+    assert jobs.pause_job(scheduler, "agent.tick.pump-1")["paused"] is True
+    assert jobs.resume_job(scheduler, "agent.tick.pump-1")["paused"] is False
+    assert jobs.run_job(scheduler, "agent.weekly.pump-1")["next_run"] is not None
+    with pytest.raises(jobs.UnknownJob):
+        jobs.pause_job(scheduler, "nope")
+    ag.reload(dataclasses.replace(ag.config, tick_interval_s=5.0))
+    assert "0:00:05" in jobs.job_info(scheduler.get_job("agent.tick.pump-1"))["trigger"]
+    ag.stop()
+    assert jobs.list_jobs(scheduler) == []
+
+
+def test_weekly_trigger_text():
+    assert "mon" in str(jobs.weekly_trigger("mon 06:00"))
+    with pytest.raises(ValueError):
+        jobs.weekly_trigger("every monday")
+
+
+def test_status_reports_per_asset_figures(tmp_path, fake_executor, scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock, assets=(
+        AssetConfig(name="p1"), AssetConfig(name="p2", fault=FaultConfig(kind="imbalance",
+                                                                         onset_s=0.0,
+                                                                         severity=3.0))))
+    for _ in range(3):
+        ag.tick_once("p1")
+        ag.tick_once("p2")
+        clock.advance(3)
+    s = ag.status()["assets"]
+    assert s["p1"]["last_zone"] == "A" and s["p2"]["last_zone"] == "D"
+    assert s["p1"]["last_assessment_age_s"] == 3.0
+    assert s["p1"]["tick_latency_p50_s"] <= s["p1"]["tick_latency_p99_s"]
+    assert s["p1"]["skipped_ticks"] == 0 and s["p1"]["ticks"] == 3
+    assert len(ag.events.query(anomalies=True)) == 3
