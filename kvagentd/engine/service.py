@@ -1,0 +1,147 @@
+"""The engine service: model + sessions + runner + executor over one KV store.
+
+Wiring (the store is built from the model's geometry and namespace, before the engine):
+
+    loaded = load_model(config.model, config.daemon.cache_dir)
+    geometry = model_geometry(loaded.model, config.kv.block_tokens, loaded.dtype)
+    namespace = make_namespace(loaded.fingerprint, loaded.dtype, config.kv.block_tokens)
+    store = TieredKVStore(geometry, namespace, ..., device=loaded.device)
+    engine = Engine(loaded, store, state_dir=config.daemon.state_dir,
+                    executor_config=config.executor, registry=daemon.metrics)
+    engine.start() ... engine.stop()   # stop before store.close()
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from kvagentd.config import ExecutorConfig
+from kvagentd.engine.executor import Executor, GenerationRequest, Job, Priority
+from kvagentd.engine.metrics import EngineMetrics
+from kvagentd.engine.model import LoadedModel
+from kvagentd.engine.runner import Runner
+from kvagentd.engine.sessions import Session, SessionStore
+from kvagentd.kvcache.base import KVStore, Tier
+
+log = structlog.get_logger(__name__)
+
+
+class SessionBusy(RuntimeError):
+    """The session has a queued or running request."""
+
+
+class SessionView:
+    """Sessions as the control API and the agent see them (ids, tokens, blocks per tier)."""
+
+    def __init__(self, table: SessionStore, store: KVStore, executor: Executor,
+                 tokenizer: Any) -> None:
+        self.table = table
+        self.store = store
+        self.executor = executor
+        self.tokenizer = tokenizer
+
+    def list(self) -> list[dict[str, Any]]:
+        tiers = self._tiers()
+        return [self._describe(s, tiers) for s in self.table.list()]
+
+    def get(self, session_id: str, *, tail_chars: int = 400) -> dict[str, Any] | None:
+        s = self.table.get(session_id)
+        if s is None:
+            return None
+        out = self._describe(s, self._tiers())
+        text = self.tokenizer.decode(s.token_ids[-512:], skip_special_tokens=False)
+        out["tail"] = text[-tail_chars:]
+        return out
+
+    def tokens(self, session_id: str) -> int:
+        s = self.table.get(session_id)
+        return len(s.token_ids) if s else 0
+
+    def token_ids(self, session_id: str) -> list[int]:
+        s = self.table.get(session_id)
+        return list(s.token_ids) if s else []
+
+    def exists(self, session_id: str) -> bool:
+        return self.table.get(session_id) is not None
+
+    def drop(self, session_id: str) -> bool:
+        """Forget the session and its references to blocks; False if unknown."""
+        if self.executor.session_busy(session_id):
+            raise SessionBusy(f"session {session_id!r} has a request in progress")
+        s = self.table.drop(session_id)
+        if s is None:
+            return False
+        self.store.drop_session(session_id, s.block_keys)
+        log.info("session_dropped", session=session_id, tokens=len(s.token_ids))
+        return True
+
+    def _tiers(self) -> dict[bytes, str]:
+        return {b.key: (b.tier.value if isinstance(b.tier, Tier) else "moving")
+                for b in self.store.snapshot()}
+
+    @staticmethod
+    def _describe(s: Session, tiers: dict[bytes, str]) -> dict[str, Any]:
+        counts = {"hot": 0, "warm": 0, "cold": 0, "moving": 0, "missing": 0}
+        for k in s.block_keys:
+            counts[tiers.get(k, "missing")] += 1
+        d = s.summary()
+        d["blocks_by_tier"] = counts
+        return d
+
+
+class Engine:
+    """Service: `start()` starts the model worker, `stop()` drains it; `status()` for /v1/status."""
+
+    def __init__(self, loaded: LoadedModel, store: KVStore, *, state_dir: Path,
+                 executor_config: ExecutorConfig = ExecutorConfig(), registry: Any = None,
+                 prefill_chunk: int = 512) -> None:
+        self.loaded = loaded
+        self.store = store
+        self.metrics = EngineMetrics(registry)
+        self.table = SessionStore(Path(state_dir))
+        self.runner = Runner(loaded.model, loaded.tokenizer, store, self.table,
+                             prefill_chunk=prefill_chunk,
+                             on_recompute=self.metrics.recomputed_tokens.inc)
+        self.executor = Executor(self.runner.run, executor_config, metrics=self.metrics)
+        self.sessions = SessionView(self.table, store, self.executor, loaded.tokenizer)
+        self.started_at: float | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    def start(self) -> None:
+        self.executor.start()
+        self.started_at = time.time()
+        log.info("engine_started", model=self.loaded.name, dtype=str(self.loaded.dtype),
+                 sessions=self.table.count())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.executor.stop(timeout)
+        self.table.close()
+        log.info("engine_stopped")
+
+    def submit(self, req: GenerationRequest) -> Job:
+        return self.executor.submit(req)
+
+    def ask(self, session: str, text: str, *, max_new_tokens: int = 64,
+            priority: Priority = Priority.ASK, system: str | None = None,
+            timeout: float | None = None) -> Any:
+        """Submit and wait: convenience for scripts and tests."""
+        job = self.submit(GenerationRequest(session, text, system, max_new_tokens, priority))
+        return job.result(timeout)
+
+    def status(self) -> dict[str, Any]:
+        g = self.store.geometry
+        return {
+            "model": self.loaded.name, "fingerprint": self.loaded.fingerprint[:16],
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "device": str(self.loaded.device), "load_s": round(self.loaded.load_s, 2),
+            "block_tokens": g.block_tokens, "sessions": self.table.count(),
+            "workspace_bytes": self.runner.workspaces.nbytes(),
+            "executor": self.executor.status(),
+        }
