@@ -1,7 +1,8 @@
 """Storage fault injection around the cold store's `file_io` (tests, drills, the soak).
 
-`FaultyFileIO(inner, plan)` forwards every file operation to `inner` (by default the real `os`
-calls the cold store uses) and, per `FaultPlan`, makes it fail the way a dying SSD does:
+`FaultyFileIO(inner, plan)` forwards every file operation to `inner` (by default the cold
+store's `kvagentd.kvcache.fileio.FileIO`, the real `os` calls) and, per `FaultPlan`, makes it
+fail the way a dying SSD does:
 - `read_eio_rate` / `write_eio_rate`: reads / writes (and fsyncs) raise EIO with that probability;
 - `enospc`: every write raises ENOSPC; `erofs`: every write, fsync, truncate, rename, unlink
   and every open for writing raises EROFS;
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvagentd.config import DebugConfig
+from kvagentd.kvcache.fileio import FileIO
 
 READ_OPS = frozenset({"pread", "read", "preadv", "readv", "readinto"})
 WRITE_OPS = frozenset({"pwrite", "write", "pwritev", "writev"})
@@ -68,7 +70,7 @@ class FaultyFileIO:
     """A `file_io` that injects faults into `inner`'s operations. Thread-safe."""
 
     def __init__(self, inner: Any = None, plan: FaultPlan | None = None, *, seed: int = 0) -> None:
-        self.inner = os if inner is None else inner
+        self.inner = FileIO() if inner is None else inner
         self.plan = plan or FaultPlan()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()

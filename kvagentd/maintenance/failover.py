@@ -1,0 +1,330 @@
+"""Shadow-partition failover of the cold tier.
+
+`FailoverColdStore` is the `ColdBackend` the store sees. It holds the SSD cold store (primary)
+and a size-capped cold store of the same format in `maintenance.shadow_dir` (tmpfs). It serves
+cold writes from one of them:
+
+    SSD --activate--> SHADOW --restore--> RESTORING --(shadow drained)--> SSD
+                                             \\--(a write-back failed)--> SHADOW
+
+- activate: a write fault on the SSD (EIO, ENOSPC, EROFS seen as new I/O errors of the primary,
+  or an OSError out of it), read EIOs, the health monitor saying the device failed, or an
+  operator. The write that hit the fault is retried on the shadow, so it is not lost.
+- While on the shadow, new writes go to the shadow; reads look in the shadow first, then on the
+  SSD: a block on the failing SSD either reads and verifies, or is reported missing (the engine
+  recomputes it). Nothing is deleted from the SSD by failing over.
+- restore (an operator, or `failback_good_probes` consecutive good probes of the SSD): every
+  shadow record is read, written to the SSD and only then deleted from the shadow; a failure
+  stops the restore and keeps serving from the shadow. So no committed block is lost.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import structlog
+import torch
+
+from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdBackend, KVGeometry, Tier
+from kvagentd.kvcache.fileio import FileIO
+
+log = structlog.get_logger(__name__)
+
+PROBE_NAME = ".kvagentd-probe"
+
+
+class ServingTier(enum.Enum):
+    SSD = "ssd"
+    SHADOW = "shadow"
+    RESTORING = "restoring"
+
+
+_TRANSITIONS: dict[ServingTier, frozenset[ServingTier]] = {
+    ServingTier.SSD: frozenset({ServingTier.SHADOW}),
+    ServingTier.SHADOW: frozenset({ServingTier.RESTORING}),
+    ServingTier.RESTORING: frozenset({ServingTier.SSD, ServingTier.SHADOW}),
+}
+
+
+class FailoverError(RuntimeError):
+    """A restore could not complete (the SSD is still failing); the shadow keeps serving."""
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def _io_errors(backend: Any) -> int:
+    st = backend.stats()
+    return int(st.get("io_errors", 0) or 0) if isinstance(st, dict) else 0
+
+
+class FailoverColdStore(ColdBackend):
+    """Cold tier = SSD `primary` with a `shadow` stand-in; see the module docstring.
+
+    `file_io` is the primary's file-operation object (probes go through it so that injected or
+    real faults show); `probe_dir` the primary's directory.
+    """
+
+    def __init__(self, primary: ColdBackend, shadow: ColdBackend, geometry: KVGeometry, *,
+                 probe_dir: Path, file_io: Any = None, failback_good_probes: int = 3,
+                 shadow_capacity_bytes: int = 0, clock: Callable[[], float] = time.time) -> None:
+        self.primary, self.shadow, self.geometry = primary, shadow, geometry
+        self.probe_dir = Path(probe_dir)
+        self.file_io = file_io if file_io is not None else FileIO()
+        self.failback_good_probes = failback_good_probes
+        self.shadow_capacity_bytes = shadow_capacity_bytes
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._restore_lock = threading.Lock()
+        self.state = ServingTier.SSD
+        self.since = clock()
+        self.reason = "start"
+        self.good_probes = 0
+        self.failovers = 0
+        self.failbacks = 0
+        self.restored_blocks = 0
+        self._errors_seen = _io_errors(primary)
+        if shadow.keys():
+            # A previous run failed over and stopped before failing back: keep serving the
+            # shadow's records and write them back after good probes.
+            self._set(ServingTier.SHADOW, f"shadow holds {len(shadow.keys())} blocks at start")
+
+    # ---- state ---------------------------------------------------------------------------
+    def _set(self, new: ServingTier, reason: str) -> None:
+        with self._lock:
+            if new not in _TRANSITIONS[self.state]:
+                raise IllegalTransition(f"{self.state.value} -> {new.value}")
+            old, self.state = self.state, new
+            self.since, self.reason = self.clock(), reason
+            self.good_probes = 0
+        log.warning("cold_tier_serving", old=old.value, new=new.value, reason=reason)
+
+    @property
+    def serving(self) -> ServingTier:
+        return self.state
+
+    def activate(self, reason: str) -> bool:
+        """Send new cold writes to the shadow; False when already there."""
+        with self._lock:
+            if self.state is ServingTier.SHADOW:
+                return False
+            if self.state is ServingTier.RESTORING:
+                self._set(ServingTier.SHADOW, reason)  # the restore loop notices and stops
+                return True
+            self._set(ServingTier.SHADOW, reason)
+            self.failovers += 1
+            return True
+
+    def _primary_faulted(self) -> bool:
+        """New I/O errors on the primary since last looked (consumes them)."""
+        n = _io_errors(self.primary)
+        with self._lock:
+            new = n > self._errors_seen
+            self._errors_seen = n
+        return new
+
+    # ---- ColdBackend ---------------------------------------------------------------------
+    def put(self, key: BlockKey, block: torch.Tensor, *, session: str = "",
+            num_tokens: int = 0) -> bool:
+        if self.state is not ServingTier.SHADOW:
+            try:
+                if self.primary.put(key, block, session=session, num_tokens=num_tokens):
+                    return True
+                fault = self._primary_faulted()
+                reason = "cold write failed on the SSD"
+            except OSError as exc:
+                fault, reason = True, f"cold write failed on the SSD: {exc.strerror or exc}"
+            if not fault:
+                return False  # full or read-only: an expected outcome, not a failure
+            self.activate(reason)
+        return self.shadow.put(key, block, session=session, num_tokens=num_tokens)
+
+    def read_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        result = [False] * len(keys)
+        in_shadow = [i for i, k in enumerate(keys) if self.shadow.contains(k)]
+        rest = [i for i in range(len(keys)) if i not in set(in_shadow)]
+        if in_shadow:
+            got = self.shadow.read_into([keys[i] for i in in_shadow], [outs[i] for i in in_shadow])
+            for i, ok in zip(in_shadow, got):
+                result[i] = ok
+        if rest:
+            try:
+                got = self.primary.read_into([keys[i] for i in rest], [outs[i] for i in rest])
+            except OSError as exc:
+                got = [False] * len(rest)
+                self.activate(f"cold read failed on the SSD: {exc.strerror or exc}")
+            for i, ok in zip(rest, got):
+                result[i] = ok
+            if not all(got) and self._primary_faulted():
+                self.activate("cold read errors on the SSD")
+        return result
+
+    def contains(self, key: BlockKey) -> bool:
+        return self.shadow.contains(key) or self.primary.contains(key)
+
+    def delete(self, keys: Iterable[BlockKey]) -> int:
+        keys = list(keys)
+        n = self.shadow.delete(keys)
+        try:
+            n += self.primary.delete(keys)
+        except OSError as exc:
+            log.warning("cold_delete_failed", error=str(exc))
+        return n
+
+    def keys(self) -> list[BlockKey]:
+        seen = dict.fromkeys(self.shadow.keys())
+        seen.update(dict.fromkeys(self.primary.keys()))
+        return list(seen)
+
+    def snapshot(self) -> list[BlockInfo]:
+        rows = {b.key: b for b in self.primary.snapshot()}
+        rows.update({b.key: b for b in self.shadow.snapshot()})
+        return list(rows.values())
+
+    def relocate(self, tier: Tier, moves: Sequence[tuple[int, int]]) -> int:
+        return 0  # cold records have no slots; cold defrag is segment compaction
+
+    def evict(self, keys: Sequence[BlockKey]) -> int:
+        return self.delete(keys)
+
+    def verify(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Checksum-verify records wherever they live; returns the corrupt or unreadable keys."""
+        shadow = [k for k in keys if self.shadow.contains(k)]
+        rest = [k for k in keys if k not in set(shadow)]
+        bad = list(self.shadow.verify(shadow)) if shadow else []
+        if rest:
+            try:
+                bad += list(self.primary.verify(rest))
+            except OSError as exc:
+                self.activate(f"verify failed on the SSD: {exc.strerror or exc}")
+                bad += rest
+        return bad
+
+    def compact(self) -> dict[str, Any]:
+        """Segment compaction of the SSD store (skipped while it is not serving)."""
+        if self.state is not ServingTier.SSD:
+            return {"skipped": f"cold tier is serving from {self.state.value}"}
+        return self.primary.compact()
+
+    def set_read_only(self, flag: bool) -> None:
+        self.primary.set_read_only(flag)
+
+    def shadow_bytes_used(self) -> int:
+        st = self.shadow.stats()
+        for name in ("bytes", "used_bytes", "live_bytes", "bytes_used"):
+            if isinstance(st.get(name), int):
+                return int(st[name])
+        return len(self.shadow.keys()) * self.geometry.block_bytes
+
+    def stats(self) -> dict[str, object]:
+        p, s = self.primary.stats(), self.shadow.stats()
+        return {**{k: v for k, v in p.items() if k != "io_errors"},
+                "io_errors": _io_errors(self.primary) + _io_errors(self.shadow),
+                "failover": self.status(), "primary": p, "shadow": s}
+
+    def status(self) -> dict[str, Any]:
+        used = self.shadow_bytes_used()
+        cap = self.shadow_capacity_bytes
+        return {"serving": self.state.value, "since": self.since, "reason": self.reason,
+                "shadow_blocks": len(self.shadow.keys()), "shadow_bytes": used,
+                "shadow_capacity_bytes": cap,
+                "shadow_fill": round(used / cap, 4) if cap else None,
+                "good_probes": self.good_probes, "failback_after": self.failback_good_probes,
+                "failovers": self.failovers, "failbacks": self.failbacks,
+                "restored_blocks": self.restored_blocks}
+
+    def close(self) -> None:
+        self.shadow.close()
+        self.primary.close()
+
+    # ---- probes and failback -------------------------------------------------------------
+    def probe_once(self) -> bool:
+        """Write, fsync, read back and remove a small file on the SSD through its file_io."""
+        fio = self.file_io
+        path = str(self.probe_dir / PROBE_NAME)
+        payload = os.urandom(4096)
+        try:
+            fd = fio.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                if fio.pwrite(fd, payload, 0) != len(payload):
+                    raise OSError(errno.EIO, "short probe write")
+                fio.fsync(fd)
+                back = bytearray(len(payload))
+                if fio.preadv(fd, [memoryview(back)], 0) != len(payload):
+                    raise OSError(errno.EIO, "short probe read")
+            finally:
+                fio.close(fd)
+            fio.unlink(path)
+        except OSError as exc:
+            log.info("ssd_probe_failed", error=str(exc))
+            return False
+        return bytes(back) == payload
+
+    def probe(self) -> dict[str, Any]:
+        """One health-interval probe: while on the shadow, count good probes and fail back
+        after `failback_good_probes` in a row."""
+        if self.state is not ServingTier.SHADOW:
+            return {"probed": False, "serving": self.state.value}
+        ok = self.probe_once()
+        with self._lock:
+            self.good_probes = self.good_probes + 1 if ok else 0
+            due = self.good_probes >= self.failback_good_probes
+        out: dict[str, Any] = {"probed": True, "ok": ok, "good_probes": self.good_probes}
+        if due:
+            try:
+                out["restore"] = self.restore(reason=f"{self.good_probes} good probes")
+            except FailoverError as exc:
+                out["restore_error"] = str(exc)
+        return out
+
+    def restore(self, reason: str = "operator request") -> dict[str, Any]:
+        """Write every shadow record back to the SSD, then empty the shadow and serve from the
+        SSD. Raises `FailoverError` (and keeps serving from the shadow) if a write fails."""
+        with self._restore_lock:
+            if self.state is ServingTier.SSD and not self.shadow.keys():
+                return {"restored": 0, "serving": self.state.value}
+            if self.state is ServingTier.SSD:
+                self._set(ServingTier.SHADOW, "records left in the shadow")
+            self._errors_seen = _io_errors(self.primary)
+            self._set(ServingTier.RESTORING, reason)
+            moved = 0
+            buf = torch.empty(self.geometry.block_shape, dtype=self.geometry.dtype)
+            for _ in range(8):  # re-list: writes racing the state change may land late
+                rows = self.shadow.snapshot()
+                if not rows:
+                    break
+                for b in rows:
+                    if self.state is not ServingTier.RESTORING:
+                        raise FailoverError(f"restore interrupted after {moved} blocks: "
+                                            f"{self.reason}")
+                    if not self.shadow.read_into([b.key], [buf])[0]:
+                        continue  # unreadable in the shadow: it was lost there, counted there
+                    try:
+                        ok = self.primary.contains(b.key) or self.primary.put(
+                            b.key, buf, session=b.sessions[0] if b.sessions else "",
+                            num_tokens=self.geometry.block_tokens)
+                    except OSError as exc:
+                        ok = False
+                        self._set(ServingTier.SHADOW, f"restore failed: {exc}")
+                    if not ok:
+                        if self.state is ServingTier.RESTORING:
+                            self._set(ServingTier.SHADOW, "restore failed: SSD write refused")
+                        raise FailoverError(f"restore stopped after {moved} blocks: "
+                                            "the SSD refused a write")
+                    self.shadow.delete([b.key])
+                    moved += 1
+            if self.shadow.keys():
+                self._set(ServingTier.SHADOW, "restore left records in the shadow")
+                raise FailoverError("restore could not drain the shadow")
+            self._set(ServingTier.SSD, reason)
+            self.failbacks += 1
+            self.restored_blocks += moved
+            log.warning("cold_tier_failback", restored=moved, reason=reason)
+            return {"restored": moved, "serving": self.state.value}

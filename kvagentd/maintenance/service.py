@@ -1,0 +1,291 @@
+"""The maintenance service: defrag, SSD health, failover and scrub on the daemon's scheduler.
+
+    cold = build_cold_tier(config, geometry, namespace)          # FailoverColdStore
+    store = TieredKVStore(geometry, namespace, ..., cold=cold)
+    m = Maintenance(config, store, cold, scheduler, is_idle=executor_idle)
+    m.start() ... m.stop()
+
+`is_idle(expected_s)` (or a zero-argument callable) says whether the daemon may pause for about
+`expected_s` seconds now: no request running and no agent tick due within that time. The timed
+defrag runs only then, and stops between chunks when it turns False.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from typing import Any, Callable
+
+import structlog
+import torch
+
+from kvagentd.config import Config
+from kvagentd.kvcache.base import KVGeometry, Tier
+from kvagentd.maintenance import defrag as dfr
+from kvagentd.maintenance.failover import FailoverColdStore
+from kvagentd.maintenance.faults import FaultyFileIO, from_debug_config
+from kvagentd.maintenance.health import HealthMonitor
+from kvagentd.maintenance.scrub import Scrubber
+from kvagentd.maintenance import tune as tn
+
+log = structlog.get_logger(__name__)
+
+JOB_IDS = ("maintenance.defrag", "maintenance.health", "maintenance.scrub")
+
+
+class DefragBusy(RuntimeError):
+    """A defrag is already running."""
+
+
+def build_cold_tier(config: Config, geometry: KVGeometry, namespace: bytes, *,
+                    file_io: Any = None) -> FailoverColdStore:
+    """The SSD cold store behind a shadow stand-in in `maintenance.shadow_dir`.
+
+    The `[debug]` fault settings, when any is on, wrap the SSD store's file I/O in a
+    `FaultyFileIO` (seeded by `debug.fault_seed`).
+    """
+    from kvagentd.kvcache.coldstore import ColdStore
+    from kvagentd.kvcache.fileio import FileIO
+
+    kv, m = config.kv, config.maintenance
+    fio = file_io if file_io is not None else FileIO()
+    plan = from_debug_config(config.debug)
+    if plan.active:
+        fio = FaultyFileIO(fio, plan, seed=config.debug.fault_seed)
+        log.warning("fault_injection_on", plan=str(plan))
+    primary = ColdStore(kv.cold_dir, geometry, namespace, codec=kv.cold_codec,
+                        capacity_bytes=kv.cold_capacity_bytes, segment_bytes=kv.segment_bytes,
+                        io_unit_bytes=kv.io_unit_bytes, o_direct=kv.o_direct, file_io=fio)
+    shadow_seg = max(1 << 20, min(int(kv.segment_bytes), int(m.shadow_bytes) // 4))
+    shadow = ColdStore(m.shadow_dir, geometry, namespace, codec=kv.cold_codec,
+                       capacity_bytes=m.shadow_bytes, segment_bytes=shadow_seg,
+                       io_unit_bytes=kv.io_unit_bytes, o_direct=False)
+    return FailoverColdStore(primary, shadow, geometry, probe_dir=kv.cold_dir, file_io=fio,
+                             failback_good_probes=m.failback_good_probes,
+                             shadow_capacity_bytes=int(m.shadow_bytes))
+
+
+def _as_idle(fn: Callable[..., bool]) -> Callable[[float], bool]:
+    try:
+        takes = len(inspect.signature(fn).parameters) > 0
+    except (TypeError, ValueError):
+        takes = False
+    return fn if takes else (lambda _s: fn())
+
+
+class Maintenance:
+    """start/stop/status/reload plus the operations behind kvctl defrag/tune/failover/scrub."""
+
+    def __init__(self, config: Config, store: Any, cold: Any, scheduler: Any,
+                 is_idle: Callable[..., bool] = lambda: True) -> None:
+        self.config = config
+        self.store, self.cold, self.scheduler = store, cold, scheduler
+        self.is_idle = _as_idle(is_idle)
+        self.failover = cold if isinstance(cold, FailoverColdStore) else None
+        self.health = HealthMonitor(
+            config, store=store, cold=cold,
+            on_failure=self.failover.activate if self.failover else None,
+            on_probe=self.failover.probe if self.failover else None)
+        rec = store.geometry.block_bytes if store is not None else 1
+        self.scrubber = Scrubber(cold, rec, int(config.maintenance.scrub_rate_bytes_per_s)) \
+            if cold is not None and hasattr(cold, "verify") else None
+        self._defrag_lock = threading.Lock()
+        self._per_move_s = 1e-3  # refined by every run
+        self.defrag_runs = 0
+        self.defrag_skipped_busy = 0
+        self.last_defrag: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = []  # (time, ratio) per tier after each defrag
+        self.started = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        m = self.config.maintenance
+        if self.scheduler is not None:
+            self._add("maintenance.defrag", self._defrag_job, m.defrag_interval_s)
+            self._add("maintenance.health", self._health_job, m.health_interval_s)
+            if self.scrubber is not None:
+                self._add("maintenance.scrub", self._scrub_job, m.scrub_interval_s)
+        self.started = True
+        self._health_job()  # act on the status file right away (read-only, failed SSD)
+
+    def _add(self, job_id: str, fn: Callable[[], Any], every_s: float) -> None:
+        self.scheduler.add_job(fn, "interval", seconds=every_s, id=job_id, name=job_id,
+                               replace_existing=True, coalesce=True, max_instances=1,
+                               misfire_grace_time=max(1, int(every_s)))
+
+    def stop(self) -> None:
+        if self.scrubber is not None:
+            self.scrubber.stop()
+        if self.scheduler is not None:
+            for job_id in JOB_IDS:
+                if self.scheduler.get_job(job_id) is not None:
+                    self.scheduler.remove_job(job_id)
+        self.started = False
+
+    def reload(self, config: Config) -> None:
+        """Apply new timer intervals (the reloadable maintenance fields)."""
+        self.config = config
+        self.health.cfg = config
+        if self.started and self.scheduler is not None:
+            m = config.maintenance
+            for job_id, every in (("maintenance.defrag", m.defrag_interval_s),
+                                  ("maintenance.health", m.health_interval_s),
+                                  ("maintenance.scrub", m.scrub_interval_s)):
+                if self.scheduler.get_job(job_id) is not None:
+                    self.scheduler.reschedule_job(job_id, trigger="interval", seconds=every)
+
+    def status(self) -> dict[str, Any]:
+        return {"fragmentation": self.fragmentation(),
+                "defrag": {"runs": self.defrag_runs, "skipped_busy": self.defrag_skipped_busy,
+                           "last": self.last_defrag},
+                "health": self.health.status(),
+                "failover": self.failover_status(),
+                "scrub": self.scrubber.status() if self.scrubber else None}
+
+    # ---- jobs ----------------------------------------------------------------------------
+    def _defrag_job(self) -> None:
+        for tier in (Tier.HOT, Tier.WARM):
+            plan = self.plan(tier)
+            if plan is None or not plan.moves or plan.before.ratio == 0.0:
+                continue
+            expected = len(plan.moves) * self._per_move_s
+            if not self.is_idle(expected):
+                self.defrag_skipped_busy += 1
+                log.info("defrag_deferred", tier=tier.value, reason="busy", expected_s=expected)
+                return
+            try:
+                self.defrag(tier.value, should_continue=lambda: self.is_idle(0.0))
+            except DefragBusy:
+                return
+
+    def _health_job(self) -> None:
+        self.health.check()
+
+    def _scrub_job(self) -> None:
+        if self.scrubber is not None:
+            self.scrubber.run()
+
+    # ---- defrag --------------------------------------------------------------------------
+    def _pool(self, tier: Tier) -> Any:
+        return self.store.pool(tier)
+
+    def measure(self, tier: Tier) -> dfr.FragStats | None:
+        if self.store is None:
+            return None
+        pool = self._pool(tier)
+        used, free, run, ratio = dfr.measure_bitmap(self.store.occupancy(tier))
+        return dfr.FragStats(tier.value, pool.capacity, used, free, run, ratio,
+                             cuda=dfr.cuda_memory(pool.device) if tier is Tier.HOT else None)
+
+    def fragmentation(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.store is not None:
+            for tier in (Tier.HOT, Tier.WARM):
+                s = self.measure(tier)
+                out[tier.value] = s.as_dict() if s else None
+        if self.cold is not None:
+            st = self.cold.stats()
+            prim = st.get("primary", st) if isinstance(st, dict) else {}
+            out["cold"] = {k: prim.get(k) for k in ("segments", "live_bytes", "dead_bytes",
+                                                    "bytes", "capacity_bytes") if k in prim}
+        return out
+
+    def plan(self, tier: Tier) -> dfr.DefragPlan | None:
+        if self.store is None:
+            return None
+        pool = self._pool(tier)
+        return dfr.plan_compaction(tier.value, self.store.occupancy(tier), self.store.busy_slots(tier),
+                                   cuda=dfr.cuda_memory(pool.device) if tier is Tier.HOT else None)
+
+    def defrag(self, tier: str = "all", *, dry_run: bool = False,
+               progress: Callable[[str, int, int], None] | None = None,
+               should_continue: Callable[[], bool] = lambda: True) -> dict[str, Any]:
+        """Plan (and unless `dry_run`, apply) compaction of `tier` ("hot"|"warm"|"cold"|"all")."""
+        tiers = ("hot", "warm", "cold") if tier == "all" else (tier,)
+        if not self._defrag_lock.acquire(blocking=False):
+            raise DefragBusy("a defrag is already running")
+        try:
+            results = [self._defrag_one(t, dry_run, progress, should_continue) for t in tiers]
+        finally:
+            self._defrag_lock.release()
+        if not dry_run:
+            self.defrag_runs += 1
+            self.last_defrag = results
+        return {"dry_run": dry_run, "results": results}
+
+    def _defrag_one(self, tier: str, dry_run: bool,
+                    progress: Callable[[str, int, int], None] | None,
+                    should_continue: Callable[[], bool]) -> dict[str, Any]:
+        if tier == "cold":
+            if self.cold is None or not hasattr(self.cold, "compact"):
+                return {"tier": "cold", "note": "no cold tier"}
+            if dry_run:
+                return {"tier": "cold", "dry_run": True, "before": self.fragmentation().get("cold")}
+            before = self.fragmentation().get("cold")
+            out = self.cold.compact()
+            return {"tier": "cold", "before": before, "after": self.fragmentation().get("cold"),
+                    "compaction": out}
+        t = Tier(tier)
+        plan = self.plan(t)
+        if plan is None:
+            return {"tier": tier, "note": "no store"}
+        if dry_run:
+            res = dfr.DefragResult(tier, len(plan.moves), dry_run=True,
+                                   before=plan.before.as_dict(), plan=plan.as_dict())
+            return res.as_dict()
+        pool = self._pool(t)
+        res = dfr.apply_plan(self.store, t, plan,
+                             max_pause_s=self.config.maintenance.defrag_max_pause_s,
+                             progress=(lambda d, n: progress(tier, d, n)) if progress else None,
+                             should_continue=should_continue)
+        if pool.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if res.moved:
+            self._per_move_s = max(1e-6, sum(res.pauses_s) / max(1, res.moved + res.skipped))
+        after = self.measure(t)
+        res.before, res.after = plan.before.as_dict(), after.as_dict() if after else None
+        res.plan = plan.as_dict(max_moves=16)
+        self.history.append({"t": time.time(), "tier": tier,
+                             "ratio_before": plan.before.ratio,
+                             "ratio_after": after.ratio if after else None})
+        del self.history[:-256]
+        log.info("defrag_done", tier=tier, moved=res.moved, skipped=res.skipped,
+                 max_pause_s=round(res.max_pause_s, 4), ratio_before=round(plan.before.ratio, 4),
+                 ratio_after=round(after.ratio, 4) if after else None)
+        return res.as_dict()
+
+    # ---- tune / failover / scrub ---------------------------------------------------------
+    def tune(self, apply: bool = False) -> dict[str, Any]:
+        """Current vs recommended; `apply` raises `TunePermissionError` unless root."""
+        report = tn.inspect(self.config.kv.cold_dir, self.config.maintenance)
+        changed: list[str] = []
+        if apply:
+            changed = tn.apply(report)
+            report = tn.inspect(self.config.kv.cold_dir, self.config.maintenance)
+        return {**report.as_dict(), "applied": changed}
+
+    def failover_status(self) -> dict[str, Any]:
+        if self.failover is None:
+            return {"serving": "ssd" if self.cold is not None else "none", "shadow": None}
+        return self.failover.status()
+
+    def failover_activate(self, reason: str = "operator request") -> dict[str, Any]:
+        if self.failover is None:
+            return {"activated": False, "note": "no shadow configured"}
+        changed = self.failover.activate(reason)
+        return {"activated": changed, **self.failover.status()}
+
+    def failover_restore(self) -> dict[str, Any]:
+        if self.failover is None:
+            return {"restored": 0, "note": "no shadow configured"}
+        out = self.failover.restore()
+        return {**out, **self.failover.status()}
+
+    def scrub(self, max_bytes: int | None = None) -> dict[str, Any]:
+        if self.scrubber is None:
+            return {"note": "no cold tier"}
+        return self.scrubber.run(max_bytes).as_dict()
+
+
+__all__ = ["Maintenance", "DefragBusy", "build_cold_tier"]
