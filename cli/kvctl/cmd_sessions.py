@@ -1,0 +1,108 @@
+"""kvctl ask | sessions [show ID | drop ID]."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from kvctl import render
+from kvctl.common import JsonOpt, SocketOpt, TimeoutOpt, call, fail, opts, stream, EX_FAILURE
+
+ASK_TIMEOUT_S = 300.0
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ask")(ask)
+    sessions_app = typer.Typer(help="LLM sessions: tokens, blocks per tier, last use.",
+                               invoke_without_command=True)
+    sessions_app.callback()(sessions_list)
+    sessions_app.command("show")(sessions_show)
+    sessions_app.command("drop")(sessions_drop)
+    app.add_typer(sessions_app, name="sessions")
+
+
+def ask(ctx: typer.Context,
+        question: Annotated[str, typer.Argument(help="the question")],
+        session: Annotated[str, typer.Option("--session", "-S", help="session id")] = "operator",
+        max_tokens: Annotated[int | None, typer.Option(
+            "--max-tokens", "-n", min=1, help="answer length limit [default: the daemon's]")
+        ] = None,
+        socket: SocketOpt = None, json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
+    """Ask a question in a session; prints the answer as it is generated."""
+    o = opts(ctx, socket, json_out, timeout if timeout is not None else ASK_TIMEOUT_S)
+    body: dict[str, Any] = {"question": question}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    final: dict[str, Any] | None = None
+    for item in stream(o, "POST", f"/v1/sessions/{session}/ask", body=body):
+        if not isinstance(item, dict):
+            continue
+        if "error" in item:
+            err = item["error"]
+            fail(o, EX_FAILURE, str(err.get("kind", "error")), str(err.get("message", err)))
+        if "text" in item and not o.json:
+            typer.echo(item["text"], nl=False)
+        if item.get("done"):
+            final = item.get("result")
+    if o.json:
+        typer.echo(json.dumps(final, indent=2, sort_keys=True))
+        return
+    typer.echo("")
+    if final is not None:
+        typer.echo(_ask_footer(final), err=True)
+
+
+def _ask_footer(r: dict[str, Any]) -> str:
+    return (f"[{r.get('new_tokens', 0)} tokens, first after {r.get('ttft_s', 0.0) * 1000:.0f} ms; "
+            f"prompt {r.get('prompt_tokens', 0)} tokens, {r.get('reused_tokens', 0)} reused, "
+            f"{r.get('recomputed_tokens', 0)} recomputed; {r.get('finish_reason', '')}]")
+
+
+def sessions_list(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
+                  timeout: TimeoutOpt = None) -> None:
+    """Every session: tokens, blocks per tier, last use."""
+    if ctx.invoked_subcommand is not None:
+        return
+    o = opts(ctx, socket, json_out, timeout)
+    render.emit(o, call(o, "GET", "/v1/sessions"), render_sessions)
+
+
+def sessions_show(ctx: typer.Context,
+                  session: Annotated[str, typer.Argument(help="session id")],
+                  socket: SocketOpt = None, json_out: JsonOpt = False,
+                  timeout: TimeoutOpt = None) -> None:
+    """One session, with the end of its conversation."""
+    o = opts(ctx, socket, json_out, timeout)
+    render.emit(o, call(o, "GET", f"/v1/sessions/{session}"))
+
+
+def sessions_drop(ctx: typer.Context,
+                  session: Annotated[str, typer.Argument(help="session id")],
+                  socket: SocketOpt = None, json_out: JsonOpt = False,
+                  timeout: TimeoutOpt = None) -> None:
+    """Forget a session and release its blocks."""
+    o = opts(ctx, socket, json_out, timeout)
+    render.emit(o, call(o, "DELETE", f"/v1/sessions/{session}"),
+                lambda d: f"dropped session {d['dropped']}")
+
+
+def render_sessions(data: dict[str, Any]) -> str:
+    rows = []
+    for s in data.get("sessions", []):
+        t = s.get("blocks_by_tier", {})
+        rows.append({**s, "hot": t.get("hot", 0), "warm": t.get("warm", 0),
+                     "cold": t.get("cold", 0), "missing": t.get("missing", 0)})
+    return render.table(rows, [("id", "session"), ("tokens", "tokens"), ("turns", "turns"),
+                               ("hot", "hot"), ("warm", "warm"), ("cold", "cold"),
+                               ("missing", "missing"), ("last_used", "last use")],
+                        {"last_used": _ago})
+
+
+def _ago(ts: Any) -> str:
+    import time
+
+    if not isinstance(ts, int | float):
+        return "-"
+    return render.duration(max(0.0, time.time() - ts)) + " ago"
