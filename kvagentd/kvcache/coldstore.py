@@ -1,0 +1,742 @@
+"""The cold tier: append-only, checksummed segment files plus one SQLite index.
+
+On-disk format (format version 1). A directory holds `index.sqlite3` (WAL) and segment files
+`seg-NNNNNNNN.kvs`. A segment is a sequence of records; each record is a 4096-byte header area
+followed by the payload padded to 4096 bytes, so every record can be read with O_DIRECT:
+
+  header (little-endian): magic "KVBR" | format u16 | codec u8 | dtype u8 | ndim u8 | pad u8 |
+                          shape 5 x u32 | key 16s | namespace 16s | payload_len u64 |
+                          payload xxh3_64 u64 | header xxh3_64 u64 (of everything before it)
+
+Crash consistency: a batch of records is written sequentially in `io_unit_bytes` chunks and
+synced, and only then are its index rows committed. The index is authoritative: a record
+without a row is garbage (a torn tail), never served. A new process always appends to a new
+segment, so torn tails are never overwritten or read. `bytes_used` is recomputed from the index
+on open. Every read verifies header and payload checksums; a failure returns False and is
+counted, and a segment that produced an I/O error is retired (never written again).
+
+Nothing in a record is deserialized with pickle or `torch.load`: a tampered file can fail a
+checksum, never execute code.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import sqlite3
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable, NamedTuple, Sequence
+
+import structlog
+import torch
+import xxhash
+
+from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdBackend, KVGeometry, Tier
+from kvagentd.kvcache.codec import CODEC_BY_ID, CODECS, Codec, make_codec
+from kvagentd.kvcache.fileio import FileIO
+
+log = structlog.get_logger(__name__)
+
+MAGIC = b"KVBR"
+FORMAT_VERSION = 1
+ALIGN = 4096
+_HDR = struct.Struct("<4sHBBBB5I16s16sQQ")
+_HDR_SUM = struct.Struct("<Q")
+HEADER_BYTES = _HDR.size + _HDR_SUM.size  # padded to ALIGN on disk
+
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+DTYPE_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS blocks (
+    key BLOB PRIMARY KEY, namespace BLOB NOT NULL, segment INTEGER NOT NULL,
+    offset INTEGER NOT NULL, length INTEGER NOT NULL, payload_len INTEGER NOT NULL,
+    checksum INTEGER NOT NULL, codec TEXT NOT NULL, version INTEGER NOT NULL,
+    session TEXT NOT NULL, tokens INTEGER NOT NULL, created REAL NOT NULL,
+    last_access REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS blocks_seg ON blocks (segment, offset);
+CREATE TABLE IF NOT EXISTS segments (
+    id INTEGER PRIMARY KEY, state TEXT NOT NULL, size INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS refs (
+    session TEXT NOT NULL, key BLOB NOT NULL, PRIMARY KEY (session, key));
+"""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _signed64(x: int) -> int:
+    """SQLite integers are signed 64-bit."""
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+class _Row(NamedTuple):
+    key: bytes
+    segment: int
+    offset: int
+    length: int
+    payload_len: int
+    checksum: int
+
+
+class ColdStore(ColdBackend):
+    """Checksummed block records in `directory` for one `geometry` and `namespace`.
+
+    Rows of other namespaces stay on disk (they count towards capacity and are evicted first)
+    but are never returned. `codec` is used for new records; existing records decode with the
+    codec named in their header. `file_io` holds the OS file operations (see `FileIO`).
+    Thread-safe; reads are serialized with each other and so are writes.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], geometry: KVGeometry, namespace: bytes,
+                 *, codec: str = "raw", capacity_bytes: int = 1 << 30,
+                 segment_bytes: int = 256 << 20, io_unit_bytes: int = 128 << 10,
+                 o_direct: bool = True, file_io: FileIO | None = None, ttl_s: float = 3600.0,
+                 read_batch_bytes: int = 8 << 20, read_only: bool = False,
+                 on_evict: Callable[[list[BlockKey]], None] | None = None) -> None:
+        if geometry.dtype not in DTYPE_CODES:
+            raise ValueError(f"unsupported KV dtype {geometry.dtype}")
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}")
+        self.directory = Path(directory)
+        self.geometry = geometry
+        self.namespace = namespace
+        self.codec_name = codec
+        self.capacity_bytes = int(capacity_bytes)
+        self.segment_bytes = int(segment_bytes)
+        self.io_unit = max(ALIGN, _align(int(io_unit_bytes)))
+        self.ttl_s = float(ttl_s)
+        self.io = file_io or FileIO()
+        self.on_evict = on_evict
+        self._read_only = read_only
+        self._codecs: dict[int, Codec] = {}
+        self._codec = self._codec_for(CODECS[codec].id)
+        self._rec_len = {cid: ALIGN + _align(self._codec_for(cid).payload_nbytes)
+                         for cid in (self._codec.id,)}
+        self._o_direct_wanted = o_direct and FileIO.O_DIRECT != 0
+        self.o_direct_active = self._o_direct_wanted
+        self._lock = threading.RLock()        # index + counters
+        self._write_lock = threading.Lock()   # write staging, active segment
+        self._read_lock = threading.Lock()    # read staging, read fds
+        self.io.makedirs(str(self.directory))
+        self._db = sqlite3.connect(str(self.directory / "index.sqlite3"), check_same_thread=False,
+                                   isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        rec = self._rec_len[self._codec.id]
+        self._wbuf = mmap.mmap(-1, max(self.io_unit, rec * max(1, read_batch_bytes // rec)))
+        rb = max(rec, _align(read_batch_bytes))
+        self._rbufs = [mmap.mmap(-1, rb), mmap.mmap(-1, rb)]
+        self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-cold-read")
+        self._rfds: dict[int, int] = {}
+        self._wfd: int | None = None
+        self._wseg: int | None = None
+        self._wtail = 0
+        self.counters = dict(reads=0, read_bytes=0, corrupt=0, missing=0, io_errors=0,
+                             writes=0, write_bytes=0, write_failures=0, evicted=0,
+                             compacted_bytes=0, retired_segments=0)
+        with self._lock:
+            self._db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
+            self._bytes_used = self._db.execute(
+                "SELECT COALESCE(SUM(length), 0) FROM blocks").fetchone()[0]
+        self._closed = False
+
+    # -- small helpers ---------------------------------------------------------------------
+    def _codec_for(self, cid: int) -> Codec:
+        c = self._codecs.get(cid)
+        if c is None:
+            c = self._codecs[cid] = CODEC_BY_ID[cid](self.geometry)
+        return c
+
+    def _seg_path(self, seg: int) -> str:
+        return str(self.directory / f"seg-{seg:08d}.kvs")
+
+    def _open(self, path: str, flags: int) -> int:
+        """Open with O_DIRECT when wanted, falling back to buffered I/O where refused."""
+        if self._o_direct_wanted and self.o_direct_active:
+            try:
+                return self.io.open(path, flags | FileIO.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.warning("cold_o_direct_refused", directory=str(self.directory))
+                self.o_direct_active = False
+        return self.io.open(path, flags)
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    @read_only.setter
+    def read_only(self, value: bool) -> None:
+        """Stop (True) or resume (False) writes; reads continue either way."""
+        if value != self._read_only:
+            log.warning("cold_read_only", directory=str(self.directory), read_only=value)
+        self._read_only = bool(value)
+
+    @property
+    def bytes_used(self) -> int:
+        with self._lock:
+            return self._bytes_used
+
+    # -- writing ---------------------------------------------------------------------------
+    def _roll_segment(self) -> None:
+        """Seal the active segment and start a new one (caller holds _write_lock)."""
+        if self._wfd is not None:
+            self.io.close(self._wfd)
+            self._wfd = None
+            with self._lock:
+                self._db.execute("UPDATE segments SET state='sealed' WHERE id=? AND state='active'",
+                                 (self._wseg,))
+        with self._lock:
+            seg = self._db.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM segments").fetchone()[0]
+            self._db.execute("INSERT INTO segments (id, state, size) VALUES (?, 'active', 0)", (seg,))
+        path = self._seg_path(seg)
+        self._wfd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self.io.fsync_dir(str(self.directory))
+        self._wseg, self._wtail = seg, 0
+
+    def _retire(self, seg: int, reason: str) -> None:
+        with self._lock:
+            cur = self._db.execute("UPDATE segments SET state='retired' WHERE id=? AND state!='retired'",
+                                   (seg,))
+            if cur.rowcount:
+                self.counters["retired_segments"] += 1
+                log.error("cold_segment_retired", segment=seg, reason=reason)
+        if seg == self._wseg and self._wfd is not None:
+            try:
+                self.io.close(self._wfd)
+            except OSError as exc:
+                log.warning("cold_close_failed", segment=seg, error=str(exc))
+            self._wfd, self._wseg = None, None
+
+    def put(self, key: BlockKey, block: torch.Tensor, *, session: str = "", num_tokens: int = 0) -> bool:
+        return self.put_many([key], [block], session=session, num_tokens=num_tokens)[0]
+
+    def put_many(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor] | torch.Tensor,
+                 *, session: str = "", num_tokens: int = 0) -> list[bool]:
+        """Store blocks durably: write all, sync once, then commit the index rows in one
+        transaction. Keys already present are left as they are (True). False: read-only,
+        full, or an I/O error (counted)."""
+        n = len(keys)
+        if n == 0:
+            return []
+        if self._read_only:
+            return [False] * n
+        codec = self._codec
+        rec = self._rec_len[codec.id]
+        with self._write_lock:
+            with self._lock:
+                present = {r[0] for r in self._db.execute(
+                    f"SELECT key FROM blocks WHERE key IN ({','.join('?' * n)})", list(keys))}
+            todo = [i for i in range(n) if keys[i] not in present]
+            ok = [True] * n
+            if not todo:
+                return ok
+            if not self._make_room(len(todo) * rec):
+                for i in todo:
+                    ok[i] = False
+                self.counters["write_failures"] += len(todo)
+                return ok
+            rows: list[tuple] = []
+            now = time.time()
+            per_buf = max(1, len(self._wbuf) // rec)
+            try:
+                for start in range(0, len(todo), per_buf):
+                    chunk = todo[start:start + per_buf]
+                    if self._wfd is None or self._wtail + len(chunk) * rec > self.segment_bytes:
+                        self._roll_segment()
+                    seg, base = self._wseg, self._wtail
+                    sums = self._encode_records(codec, [keys[i] for i in chunk],
+                                                [blocks[i] for i in chunk])
+                    self._write_all(memoryview(self._wbuf)[:len(chunk) * rec], base)
+                    for j, i in enumerate(chunk):
+                        rows.append((keys[i], self.namespace, seg, base + j * rec, rec,
+                                     codec.payload_nbytes, _signed64(sums[j]), codec.name,
+                                     FORMAT_VERSION, session, num_tokens, now, now))
+                    self._wtail = base + len(chunk) * rec
+                    if self._wtail + rec > self.segment_bytes:
+                        self.io.fsync(self._wfd)
+                        self._commit_rows(rows)
+                        rows = []
+                        self._roll_segment()
+                if rows:
+                    self.io.fsync(self._wfd)
+                    self._commit_rows(rows)
+            except OSError as exc:
+                return self._write_failed(exc, keys, todo, rows, ok)
+            self.counters["writes"] += len(todo)
+            self.counters["write_bytes"] += len(todo) * rec
+            return ok
+
+    def _write_failed(self, exc: OSError, keys: Sequence[BlockKey], todo: list[int],
+                      rows: list[tuple], ok: list[bool]) -> list[bool]:
+        committed = set()
+        with self._lock:
+            for i in todo:
+                if self._db.execute("SELECT 1 FROM blocks WHERE key=?", (keys[i],)).fetchone():
+                    committed.add(i)
+        for i in todo:
+            ok[i] = i in committed
+        failed = len(todo) - len(committed)
+        self.counters["write_failures"] += failed
+        self.counters["writes"] += len(committed)
+        if exc.errno == errno.EROFS:
+            self.read_only = True
+        elif self._wseg is not None and exc.errno != errno.ENOSPC:
+            self._retire(self._wseg, f"write: {exc.strerror or exc}")
+        if exc.errno == errno.ENOSPC and self._wseg is not None:
+            self._wtail = self.segment_bytes  # never append after a partial write
+        log.error("cold_write_failed", errno=exc.errno, error=str(exc), blocks=failed)
+        return ok
+
+    def _encode_records(self, codec: Codec, keys: Sequence[BlockKey],
+                        blocks: Sequence[torch.Tensor]) -> list[int]:
+        """Encode headers and payloads of len(keys) records into the write staging buffer."""
+        rec = self._rec_len[codec.id]
+        n = len(keys)
+        staging = torch.frombuffer(self._wbuf, dtype=torch.uint8)[:n * rec].view(n, rec)
+        payloads = staging[:, ALIGN:ALIGN + codec.payload_nbytes]
+        if isinstance(blocks, torch.Tensor) and blocks.dim() == len(self.geometry.block_shape) + 1:
+            codec.encode(blocks.cpu(), payloads)
+        else:
+            for j, b in enumerate(blocks):
+                codec.encode(b.reshape(1, *self.geometry.block_shape).cpu(), payloads[j:j + 1])
+        mv = memoryview(self._wbuf)
+        shape = list(self.geometry.block_shape) + [0] * (5 - len(self.geometry.block_shape))
+        sums = []
+        for j, key in enumerate(keys):
+            off = j * rec
+            s = xxhash.xxh3_64_intdigest(mv[off + ALIGN:off + ALIGN + codec.payload_nbytes])
+            _HDR.pack_into(self._wbuf, off, MAGIC, FORMAT_VERSION, codec.id,
+                           DTYPE_CODES[self.geometry.dtype], len(self.geometry.block_shape), 0,
+                           *shape, key, self.namespace, codec.payload_nbytes, s)
+            _HDR_SUM.pack_into(self._wbuf, off + _HDR.size,
+                               xxhash.xxh3_64_intdigest(mv[off:off + _HDR.size]))
+            sums.append(s)
+        return sums
+
+    def _write_all(self, data: memoryview, offset: int) -> None:
+        """Sequential writes in io_unit chunks; a short write raises EIO."""
+        pos = 0
+        while pos < len(data):
+            chunk = data[pos:pos + self.io_unit]
+            try:
+                w = self.io.pwrite(self._wfd, chunk, offset + pos)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self.o_direct_active and pos == 0:
+                    self._reopen_buffered()
+                    w = self.io.pwrite(self._wfd, chunk, offset + pos)
+                else:
+                    raise
+            if w <= 0:
+                raise OSError(errno.EIO, "short write")
+            pos += w
+
+    def _reopen_buffered(self) -> None:
+        log.warning("cold_o_direct_refused", directory=str(self.directory))
+        self.o_direct_active = False
+        self.io.close(self._wfd)
+        self._wfd = self.io.open(self._seg_path(self._wseg), os.O_WRONLY)
+        with self._read_lock:
+            for fd in self._rfds.values():
+                self.io.close(fd)
+            self._rfds.clear()
+
+    def _commit_rows(self, rows: list[tuple]) -> None:
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "INSERT OR REPLACE INTO blocks (key, namespace, segment, offset, length, "
+                "payload_len, checksum, codec, version, session, tokens, created, last_access) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            self._db.execute("UPDATE segments SET size=? WHERE id=?", (self._wtail, self._wseg))
+            self._db.execute("COMMIT")
+            self._bytes_used += sum(r[4] for r in rows)
+
+    def _make_room(self, need: int) -> bool:
+        """Evict until `need` more bytes fit: other namespaces, then expired (TTL), then oldest."""
+        with self._lock:
+            if self._bytes_used + need <= self.capacity_bytes:
+                return True
+            if need > self.capacity_bytes:
+                return False
+            now = time.time()
+            cur = self._db.execute(
+                "SELECT key, length, namespace FROM blocks ORDER BY (namespace != ?) DESC, "
+                "(last_access + ? < ?) DESC, last_access ASC", (self.namespace, self.ttl_s, now))
+            victims, free = [], self.capacity_bytes - self._bytes_used
+            for key, length, ns in cur:
+                if free >= need:
+                    break
+                victims.append(key)
+                free += length
+            ours = [k for k in victims]
+            self._delete_rows(ours)
+            self.counters["evicted"] += len(ours)
+        if self.on_evict is not None and ours:
+            self.on_evict(ours)
+        log.info("cold_evicted", blocks=len(ours), need=need)
+        return True
+
+    # -- reading ---------------------------------------------------------------------------
+    def _rows(self, keys: Sequence[BlockKey]) -> dict[bytes, _Row]:
+        out: dict[bytes, _Row] = {}
+        with self._lock:
+            for i in range(0, len(keys), 500):
+                part = list(keys[i:i + 500])
+                for r in self._db.execute(
+                        "SELECT key, segment, offset, length, payload_len, checksum FROM blocks "
+                        f"WHERE namespace=? AND key IN ({','.join('?' * len(part))})",
+                        [self.namespace, *part]):
+                    out[r[0]] = _Row(r[0], r[1], r[2], r[3], r[4], r[5] & ((1 << 64) - 1))
+        return out
+
+    def _rfd(self, seg: int) -> int:
+        fd = self._rfds.get(seg)
+        if fd is None:
+            fd = self._rfds[seg] = self._open(self._seg_path(seg), os.O_RDONLY)
+        return fd
+
+    def _runs(self, rows: list[tuple[int, _Row]]) -> list[list[tuple[int, _Row]]]:
+        """Group rows (sorted by segment, offset) into adjacent runs that fit a read buffer."""
+        cap = len(self._rbufs[0])
+        runs: list[list[tuple[int, _Row]]] = []
+        for item in rows:
+            r = item[1]
+            if runs:
+                last = runs[-1][-1][1]
+                first = runs[-1][0][1]
+                if (r.segment == last.segment and r.offset == last.offset + last.length
+                        and r.offset + r.length - first.offset <= cap):
+                    runs[-1].append(item)
+                    continue
+            runs.append([item])
+        return runs
+
+    def _read_run(self, run: list[tuple[int, _Row]], buf: mmap.mmap) -> int | OSError:
+        first, last = run[0][1], run[-1][1]
+        length = last.offset + last.length - first.offset
+        try:
+            fd = self._rfd(first.segment)
+            got = self.io.preadv(fd, [memoryview(buf)[:length]], first.offset)
+        except OSError as exc:
+            return exc
+        return got
+
+    def read_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Read, verify and decode each record into its CPU tensor. Adjacent records are read
+        with one large sequential read; the next read overlaps decoding of the previous."""
+        ok = [False] * len(keys)
+        rows = self._rows(keys)
+        todo = []
+        for i, k in enumerate(keys):
+            r = rows.get(k)
+            if r is None:
+                self.counters["missing"] += 1
+            else:
+                todo.append((i, r))
+        todo.sort(key=lambda it: (it[1].segment, it[1].offset))
+        done: list[bytes] = []
+        with self._read_lock:
+            runs = self._runs(todo)
+            fut = self._read_pool.submit(self._read_run, runs[0], self._rbufs[0]) if runs else None
+            for ri, run in enumerate(runs):
+                got = fut.result()
+                buf = self._rbufs[ri % 2]
+                if ri + 1 < len(runs):
+                    fut = self._read_pool.submit(self._read_run, runs[ri + 1], self._rbufs[(ri + 1) % 2])
+                if isinstance(got, OSError):
+                    self.counters["io_errors"] += len(run)
+                    log.error("cold_read_failed", segment=run[0][1].segment, error=str(got))
+                    if got.errno == errno.ENOENT:
+                        self.counters["missing"] += len(run)
+                    else:
+                        self._retire(run[0][1].segment, f"read: {got.strerror or got}")
+                    continue
+                base = run[0][1].offset
+                for i, r in run:
+                    if r.offset - base + r.length > got:
+                        self.counters["missing"] += 1
+                        log.error("cold_record_short", key=r.key.hex(), segment=r.segment)
+                        continue
+                    if self._verify_decode(buf, r.offset - base, r, outs[i]):
+                        ok[i] = True
+                        done.append(r.key)
+                        self.counters["reads"] += 1
+                        self.counters["read_bytes"] += r.length
+        if done:
+            with self._lock:
+                self._db.executemany("UPDATE blocks SET last_access=? WHERE key=?",
+                                     [(time.time(), k) for k in done])
+        return ok
+
+    def _check_record(self, buf: mmap.mmap, off: int, r: _Row) -> tuple[int, tuple] | str:
+        """Header fields of a record at `buf[off:]` after all checks, or why it failed."""
+        mv = memoryview(buf)
+        h = _HDR.unpack_from(buf, off)
+        if h[0] != MAGIC or h[1] != FORMAT_VERSION:
+            return "bad magic or format"
+        if _HDR_SUM.unpack_from(buf, off + _HDR.size)[0] != xxhash.xxh3_64_intdigest(mv[off:off + _HDR.size]):
+            return "header checksum"
+        cid, dcode, ndim = h[2], h[3], h[4]
+        shape = tuple(h[6:6 + ndim])
+        key, ns, plen, psum = h[11], h[12], h[13], h[14]
+        if key != r.key or ns != self.namespace:
+            return "key or namespace mismatch"
+        if cid not in CODEC_BY_ID or DTYPE_BY_CODE.get(dcode) != self.geometry.dtype \
+                or shape != self.geometry.block_shape:
+            return "codec, dtype or shape mismatch"
+        if plen != self._codec_for(cid).payload_nbytes or plen != r.payload_len \
+                or ALIGN + plen > r.length:
+            return "payload length"
+        if psum != r.checksum or xxhash.xxh3_64_intdigest(mv[off + ALIGN:off + ALIGN + plen]) != psum:
+            return "payload checksum"
+        return cid, h
+
+    def _verify_decode(self, buf: mmap.mmap, off: int, r: _Row, out: torch.Tensor) -> bool:
+        res = self._check_record(buf, off, r)
+        if isinstance(res, str):
+            self.counters["corrupt"] += 1
+            log.error("cold_checksum_failed", key=r.key.hex(), segment=r.segment, reason=res)
+            return False
+        codec = self._codec_for(res[0])
+        payload = torch.frombuffer(buf, dtype=torch.uint8, offset=off + ALIGN,
+                                   count=codec.payload_nbytes).view(1, -1)
+        codec.decode(payload, out.view(1, *self.geometry.block_shape))
+        return True
+
+    # -- index queries ---------------------------------------------------------------------
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM blocks WHERE key=? AND namespace=?",
+                                    (key, self.namespace)).fetchone() is not None
+
+    def keys(self) -> list[BlockKey]:
+        with self._lock:
+            return [r[0] for r in self._db.execute(
+                "SELECT key FROM blocks WHERE namespace=? ORDER BY segment, offset", (self.namespace,))]
+
+    def entries(self) -> list[tuple[BlockKey, float, str]]:
+        """(key, last_access, session) of this namespace's records, in disk order."""
+        with self._lock:
+            return list(self._db.execute(
+                "SELECT key, last_access, session FROM blocks WHERE namespace=? "
+                "ORDER BY segment, offset", (self.namespace,)))
+
+    def _delete_rows(self, keys: Sequence[BlockKey]) -> int:
+        """Caller holds _lock."""
+        n = 0
+        self._db.execute("BEGIN")
+        for k in keys:
+            row = self._db.execute("SELECT length FROM blocks WHERE key=?", (k,)).fetchone()
+            if row is not None:
+                self._db.execute("DELETE FROM blocks WHERE key=?", (k,))
+                self._db.execute("DELETE FROM refs WHERE key=?", (k,))
+                self._bytes_used -= row[0]
+                n += 1
+        self._db.execute("COMMIT")
+        return n
+
+    def delete(self, keys: Iterable[BlockKey]) -> int:
+        """Drop records from the index (space is reclaimed by `compact`)."""
+        with self._lock:
+            return self._delete_rows(list(keys))
+
+    def evict(self, keys: Sequence[BlockKey]) -> int:
+        n = self.delete(keys)
+        self.counters["evicted"] += n
+        return n
+
+    def expired(self, now: float | None = None) -> list[BlockKey]:
+        """Keys whose TTL (refreshed on every read) has run out."""
+        now = time.time() if now is None else now
+        with self._lock:
+            return [r[0] for r in self._db.execute(
+                "SELECT key FROM blocks WHERE namespace=? AND last_access + ? < ?",
+                (self.namespace, self.ttl_s, now))]
+
+    def touch(self, keys: Sequence[BlockKey], now: float | None = None) -> None:
+        """Refresh the TTL of records (an access that did not need a read)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            self._db.executemany("UPDATE blocks SET last_access=? WHERE key=?", [(now, k) for k in keys])
+
+    # -- session references (persisted so that per-session counts survive a restart) -------
+    def save_refs(self, refs: dict[str, Iterable[BlockKey]]) -> None:
+        """Replace the stored session -> keys map (only keys that have a record are kept)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM refs")
+            self._db.executemany(
+                "INSERT OR IGNORE INTO refs (session, key) SELECT ?, key FROM blocks WHERE key=?",
+                [(s, k) for s, ks in refs.items() for k in ks])
+            self._db.execute("COMMIT")
+
+    def load_refs(self) -> dict[str, list[BlockKey]]:
+        out: dict[str, list[BlockKey]] = {}
+        with self._lock:
+            for s, k in self._db.execute(
+                    "SELECT r.session, r.key FROM refs r JOIN blocks b ON b.key = r.key "
+                    "WHERE b.namespace=?", (self.namespace,)):
+                out.setdefault(s, []).append(k)
+        return out
+
+    def snapshot(self) -> list[BlockInfo]:
+        refs: dict[bytes, list[str]] = {}
+        for s, ks in self.load_refs().items():
+            for k in ks:
+                refs.setdefault(k, []).append(s)
+        with self._lock:
+            rows = list(self._db.execute(
+                "SELECT key, last_access, length FROM blocks WHERE namespace=?", (self.namespace,)))
+        return [BlockInfo(k, Tier.COLD, False, False, tuple(refs.get(k, ())), la, ln)
+                for k, la, ln in rows]
+
+    def relocate(self, tier: Tier, moves: Sequence[tuple[int, int]]) -> int:
+        """Cold records have no slots; use `compact` to reclaim space."""
+        return 0
+
+    # -- maintenance -----------------------------------------------------------------------
+    def compact(self, min_dead_ratio: float = 0.5) -> int:
+        """Rewrite the live records of non-active segments whose dead share is at least
+        `min_dead_ratio` (and of retired segments) into the active segment, then delete those
+        files. Returns bytes reclaimed. Unreadable records are dropped and counted."""
+        reclaimed = 0
+        with self._write_lock, self._read_lock:
+            with self._lock:
+                segs = list(self._db.execute(
+                    "SELECT s.id, s.state, s.size, COALESCE(SUM(b.length), 0) FROM segments s "
+                    "LEFT JOIN blocks b ON b.segment = s.id WHERE s.state != 'active' GROUP BY s.id"))
+            for seg, state, size, live in segs:
+                if state != "retired" and size and (size - live) / size < min_dead_ratio:
+                    continue
+                if live and self._read_only:
+                    continue
+                if live and not self._move_live(seg):
+                    continue
+                fd = self._rfds.pop(seg, None)
+                if fd is not None:
+                    self.io.close(fd)
+                try:
+                    reclaimed += self.io.size(self._seg_path(seg))
+                    self.io.unlink(self._seg_path(seg))
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("cold_unlink_failed", segment=seg, error=str(exc))
+                    continue
+                with self._lock:
+                    self._db.execute("DELETE FROM segments WHERE id=?", (seg,))
+        self.counters["compacted_bytes"] += reclaimed
+        return reclaimed
+
+    def _move_live(self, seg: int) -> bool:
+        """Copy live records of `seg` (verified) to the write position; caller holds both I/O locks."""
+        with self._lock:
+            rows = [_Row(r[0], r[1], r[2], r[3], r[4], r[5] & ((1 << 64) - 1)) for r in self._db.execute(
+                "SELECT key, segment, offset, length, payload_len, checksum FROM blocks "
+                "WHERE segment=? ORDER BY offset", (seg,))]
+        buf = self._rbufs[0]
+        for r in rows:
+            if r.length > len(self._wbuf):
+                return False
+            got = self._read_run([(0, r)], buf)
+            if isinstance(got, OSError) or got < r.length or isinstance(self._check_record(buf, 0, r), str):
+                self.counters["corrupt"] += 1
+                with self._lock:
+                    self._delete_rows([r.key])
+                continue
+            try:
+                if self._wfd is None or self._wtail + r.length > self.segment_bytes:
+                    self._roll_segment()
+                self._wbuf[:r.length] = buf[:r.length]
+                self._write_all(memoryview(self._wbuf)[:r.length], self._wtail)
+                self.io.fsync(self._wfd)
+            except OSError as exc:
+                log.error("cold_compact_write_failed", error=str(exc))
+                if self._wseg is not None:
+                    self._retire(self._wseg, f"write: {exc.strerror or exc}")
+                return False
+            with self._lock:
+                self._db.execute("UPDATE blocks SET segment=?, offset=? WHERE key=?",
+                                 (self._wseg, self._wtail, r.key))
+                self._wtail += r.length
+                self._db.execute("UPDATE segments SET size=? WHERE id=?", (self._wtail, self._wseg))
+        return True
+
+    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
+        """Scrub: read and check every record of this namespace. `missing`: its segment file
+        is absent or short; `corrupt`: checksum / header mismatch or I/O error. `repair`
+        drops both kinds from the index. Rate-limited when `rate_bytes_per_s` is given."""
+        with self._lock:
+            rows = [_Row(r[0], r[1], r[2], r[3], r[4], r[5] & ((1 << 64) - 1)) for r in self._db.execute(
+                "SELECT key, segment, offset, length, payload_len, checksum FROM blocks "
+                "WHERE namespace=? ORDER BY segment, offset", (self.namespace,))]
+        checked = corrupt = missing = nbytes = 0
+        bad: list[bytes] = []
+        t0 = time.monotonic()
+        for r in rows:
+            with self._read_lock:
+                if not os.path.exists(self._seg_path(r.segment)):
+                    missing += 1
+                    bad.append(r.key)
+                    continue
+                got = self._read_run([(0, r)], self._rbufs[0])
+                checked += 1
+                if isinstance(got, OSError):
+                    corrupt += 1
+                    bad.append(r.key)
+                elif got < r.length:
+                    missing += 1
+                    bad.append(r.key)
+                elif isinstance(self._check_record(self._rbufs[0], 0, r), str):
+                    corrupt += 1
+                    bad.append(r.key)
+                    log.error("cold_checksum_failed", key=r.key.hex(), segment=r.segment, reason="scrub")
+            nbytes += r.length
+            if rate_bytes_per_s:
+                ahead = nbytes / rate_bytes_per_s - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+        repaired = 0
+        if repair and bad:
+            repaired = self.delete(bad)
+        self.counters["corrupt"] += corrupt
+        return {"checked": checked, "corrupt": corrupt, "missing": missing, "repaired": repaired,
+                "bytes": nbytes}
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            n, = self._db.execute("SELECT COUNT(*) FROM blocks WHERE namespace=?", (self.namespace,)).fetchone()
+            segs = dict(self._db.execute("SELECT state, COUNT(*) FROM segments GROUP BY state").fetchall())
+            disk, = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM segments").fetchone()
+            return {"directory": str(self.directory), "blocks": n, "bytes_used": self._bytes_used,
+                    "disk_bytes": disk, "capacity_bytes": self.capacity_bytes,
+                    "codec": self.codec_name, "read_only": self._read_only,
+                    "o_direct": self.o_direct_active, "segments": segs, **self.counters}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._write_lock, self._read_lock:
+            self._read_pool.shutdown(wait=True)
+            for fd in list(self._rfds.values()) + ([self._wfd] if self._wfd is not None else []):
+                try:
+                    self.io.close(fd)
+                except OSError as exc:
+                    log.warning("cold_close_failed", error=str(exc))
+            self._rfds.clear()
+            self._wfd = None
+            with self._lock:
+                self._db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._db.close()
