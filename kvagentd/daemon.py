@@ -1,0 +1,467 @@
+"""The daemon's lifecycle: `run()` -> `startup()` -> `main_loop()` -> `shutdown()`.
+
+Startup: logging, state directories, the job scheduler, the services (constructed by
+`_build_services`), the control socket, then READY=1. The main loop pings the systemd watchdog
+only while it runs and the control and scheduler threads are alive, and publishes a STATUS line.
+First SIGTERM/SIGINT (or POST /v1/shutdown): STOPPING=1, stop accepting, drain in-flight
+requests for `daemon.drain_timeout_s`, stop services in reverse start order (they flush), remove
+the socket, exit 0. A second SIGTERM/SIGINT exits at once. SIGHUP reloads the config file and
+applies the fields in `config.RELOADABLE`; a bad file is reported and the running config kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import select
+import signal
+import socket
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import structlog
+from apscheduler.events import (EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, EVENT_JOB_MAX_INSTANCES,
+                                EVENT_JOB_MISSED, JobEvent)
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from kvagentd import __version__
+from kvagentd import log as logsetup
+from kvagentd.config import RELOADABLE, Config, ConfigError, diff_reloadable, load_config
+from kvagentd.control.handlers import register_all
+from kvagentd.control.router import Router
+from kvagentd.control.server import ControlServer, ControlSocketInUse
+from kvagentd.metrics import CoreMetrics, new_registry
+from kvagentd.status import GpuProbe, host_status
+from kvagentd.systemd import Notifier
+
+log = structlog.get_logger(__name__)
+
+# Exit codes (sysexits.h)
+EX_OK = 0
+EX_SOFTWARE = 70
+EX_CANTCREAT = 73
+EX_NOPERM = 77
+EX_CONFIG = 78
+
+# Start order; services stop in reverse. Each is None until `_build_services` sets it.
+SERVICE_ORDER = ("store", "placement", "engine", "executor", "maintenance", "agent")
+
+# Seconds of EXTEND_TIMEOUT_USEC requested before each service starts or stops.
+SERVICE_START_ALLOWANCE_S = 300.0
+SERVICE_STOP_ALLOWANCE_S = 120.0
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.STARTING: frozenset({Phase.RUNNING, Phase.STOPPING}),
+    Phase.RUNNING: frozenset({Phase.STOPPING}),
+    Phase.STOPPING: frozenset({Phase.STOPPED}),
+    Phase.STOPPED: frozenset(),
+}
+
+_HEALTH_RANK = {"ok": 0, "degraded": 1, "failing": 2}
+
+
+class Daemon:
+    """Owns the configuration, scheduler, metrics, services and the control server."""
+
+    def __init__(self, config: Config, config_path: Path | None = None, *,
+                 notifier: Notifier | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.notifier = notifier or Notifier()
+        self.metrics = new_registry()
+        self.core_metrics = CoreMetrics(self.metrics)
+        self.scheduler = BackgroundScheduler()
+        self.scheduler.add_listener(self._on_job_event, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR
+                                    | EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
+        self.started_at = time.time()
+        self._t0 = time.monotonic()
+        # Services (see SERVICE_ORDER); None when not configured on this machine.
+        self.store: Any = None
+        self.placement: Any = None
+        self.engine: Any = None
+        self.executor: Any = None
+        self.maintenance: Any = None
+        self.agent: Any = None
+        self._started: list[str] = []
+        self.router = Router()
+        self.server: ControlServer | None = None
+        self.gpu = GpuProbe()
+        self._phase = Phase.STARTING
+        self._phase_lock = threading.Lock()
+        self._stop_reason: str | None = None
+        self._reload_requested = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._last_progress = time.monotonic()
+        self._last_status_line = ""
+        self._signals_installed = False
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> str:
+        return self._phase.value
+
+    @property
+    def ready(self) -> bool:
+        return self._phase is Phase.RUNNING
+
+    def _set_phase(self, new: Phase) -> None:
+        with self._phase_lock:
+            if new not in _TRANSITIONS[self._phase]:
+                raise RuntimeError(f"illegal daemon phase change {self._phase.value} -> {new.value}")
+            log.debug("daemon_phase", old=self._phase.value, new=new.value)
+            self._phase = new
+        self.core_metrics.ready.set(1 if new is Phase.RUNNING else 0)
+
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._t0
+
+    # -- run -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start, serve until asked to stop, shut down. Returns the process exit code."""
+        self._install_signals()
+        try:
+            self.startup()
+        except Exception as exc:  # any startup failure: stop what started, exit non-zero
+            code = _startup_exit_code(exc)
+            if isinstance(exc, ConfigError | ControlSocketInUse | PermissionError):
+                log.error("startup_failed", error=str(exc), exit_code=code)
+            else:
+                log.error("startup_failed", error=str(exc), exit_code=code, exc_info=exc)
+            self.notifier.status(f"failed to start: {exc}")
+            self.shutdown()
+            return code
+        if self._stop_reason is None:
+            self.main_loop()
+        self.shutdown()
+        return EX_OK
+
+    def startup(self) -> None:
+        cfg = self.config
+        self.notifier.status("starting")
+        log.info("daemon_starting", version=__version__, pid=os.getpid(),
+                 config=str(self.config_path) if self.config_path else None)
+        self.core_metrics.start_time.set(self.started_at)
+        for d in (cfg.daemon.state_dir, cfg.daemon.cache_dir):
+            _ensure_dir(Path(d))
+        self.scheduler.start()
+        self._build_services()
+        register_all(self.router, self)
+        self.server = ControlServer(cfg.control, self.router,
+                                    observe=self.core_metrics.observe_request)
+        self.server.start()
+        for name in SERVICE_ORDER:
+            service = getattr(self, name)
+            if service is None:
+                continue
+            if self._stop_reason is not None:
+                log.info("startup_interrupted", reason=self._stop_reason, before=name)
+                return
+            self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
+            self.notifier.status(f"starting {name}")
+            started = time.monotonic()
+            service.start()
+            self._started.append(name)
+            log.info("service_started", service=name,
+                     seconds=round(time.monotonic() - started, 3))
+        self._set_phase(Phase.RUNNING)
+        line = self._status_line()
+        self.notifier.ready(line)
+        self._last_status_line = line
+        log.info("daemon_ready", socket=str(cfg.control.socket), services=self._started,
+                 startup_s=round(self.uptime_s(), 3))
+
+    def _build_services(self) -> None:
+        """Construct the services for this configuration (set the attributes in SERVICE_ORDER).
+
+        Constructors take explicit dependencies (config sections, store, executor, scheduler,
+        metrics registry); `start()` does the slow work. Absent services stay None.
+        """
+
+    def main_loop(self) -> None:
+        interval = self.config.daemon.main_loop_interval_s
+        wd = self.notifier.watchdog_interval_s
+        now = time.monotonic()
+        next_watchdog = now
+        next_status = now + 5.0
+        while self._stop_reason is None:
+            now = time.monotonic()
+            timeout = interval if wd is None else max(0.0, min(interval, next_watchdog - now))
+            self._wait(timeout)
+            if self._reload_requested:
+                self._reload_requested = False
+                self.reload()
+            if self._stop_reason is not None:
+                break
+            self._last_progress = now = time.monotonic()
+            self.core_metrics.loop_iterations.inc()
+            if wd is not None and now >= next_watchdog:
+                if self._threads_alive():
+                    self.notifier.watchdog()
+                    self.core_metrics.watchdog_pings.inc()
+                else:
+                    log.error("watchdog_withheld", reason="control or scheduler thread died")
+                next_watchdog = now + wd
+            if now >= next_status:
+                next_status = now + 5.0
+                line = self._status_line()
+                if line != self._last_status_line:
+                    self.notifier.status(line)
+                    self._last_status_line = line
+        log.info("daemon_stopping", reason=self._stop_reason)
+
+    def shutdown(self) -> None:
+        if self._phase is Phase.STOPPED:
+            return
+        if self._phase is not Phase.STOPPING:
+            self._set_phase(Phase.STOPPING)
+        self.notifier.stopping("stopping: draining requests")
+        if self.server is not None:
+            self.server.stop(self.config.daemon.drain_timeout_s)
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=False)
+        for name in reversed(self._started):
+            service = getattr(self, name)
+            self.notifier.extend_timeout(SERVICE_STOP_ALLOWANCE_S)
+            self.notifier.status(f"stopping {name}")
+            try:
+                service.stop()
+            except Exception as exc:  # one failing service must not keep the others running
+                log.error("service_stop_failed", service=name, exc_info=exc)
+            else:
+                log.info("service_stopped", service=name)
+        self._started.clear()
+        self.gpu.close()
+        self._set_phase(Phase.STOPPED)
+        log.info("daemon_stopped", uptime_s=round(self.uptime_s(), 3))
+        self.notifier.close()
+
+    # -- requests from signals and the API ---------------------------------------------------
+
+    def request_shutdown(self, reason: str) -> None:
+        """Ask the main loop to stop (thread-safe, async-signal-safe)."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        self._wake()
+
+    def request_reload(self) -> None:
+        self._reload_requested = True
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the wake-up buffer is full: the loop is already due to wake
+
+    def _wait(self, timeout: float) -> None:
+        readable, _, _ = select.select([self._wake_r], [], [], timeout)
+        if readable:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass  # drained
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # embedded (tests): the host process owns signals
+        signal.signal(signal.SIGTERM, self._on_stop_signal)
+        signal.signal(signal.SIGINT, self._on_stop_signal)
+        signal.signal(signal.SIGHUP, self._on_hup)
+        self._signals_installed = True
+
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        # NOTE: runs between bytecodes of the main thread: set flags and wake only, no logging.
+        if self._stop_reason is not None:
+            os.write(2, b"kvagentd: second stop signal, exiting at once\n")
+            os._exit(128 + signum)
+        self.request_shutdown(signal.Signals(signum).name)
+
+    def _on_hup(self, signum: int, frame: Any) -> None:
+        self.request_reload()
+
+    # -- reload ------------------------------------------------------------------------------
+
+    def reload(self) -> dict[str, Any]:
+        """Re-read the config file; apply reloadable changes; report the rest.
+
+        Returns {"applied": {...}, "restart_required": [...], "error": str | None}.
+        """
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("reload_rejected", error=str(exc), field=exc.path,
+                      effect="running configuration kept")
+            self.core_metrics.reloads.labels("rejected").inc()
+            self.notifier.ready(f"reload rejected: {exc}")
+            return {"applied": {}, "restart_required": [], "error": str(exc)}
+        changes = diff_reloadable(self.config, new)
+        live = {k: v for k, v in changes.items() if k in RELOADABLE}
+        restart = sorted(k for k in changes if k not in RELOADABLE)
+        merged = self.config
+        for path in live:
+            merged = _with_field(merged, path.split("."), new)
+        self.config = merged
+        if "daemon.log_level" in live:
+            logsetup.set_level(merged.daemon.log_level)
+        for name in self._started:
+            service = getattr(self, name)
+            if hasattr(service, "reload"):
+                try:
+                    service.reload(merged)
+                except Exception as exc:  # a service refusing its new settings keeps running
+                    log.error("service_reload_failed", service=name, exc_info=exc)
+        self.core_metrics.reloads.labels("applied").inc()
+        log.info("config_reloaded", applied={k: list(v) for k, v in live.items()},
+                 restart_required=restart)
+        self.notifier.ready(self._status_line())
+        return {"applied": {k: list(v) for k, v in live.items()},
+                "restart_required": restart, "error": None}
+
+    # -- status and health -------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        cfg = self.config
+        gpus, reason = self.gpu.sample()
+        out: dict[str, Any] = {
+            "version": __version__,
+            "pid": os.getpid(),
+            "phase": self.phase,
+            "ready": self.ready,
+            "started_at": datetime.fromtimestamp(self.started_at, timezone.utc).isoformat(),
+            "uptime_s": round(self.uptime_s(), 3),
+            "config_path": str(self.config_path) if self.config_path else None,
+            "host": host_status([cfg.daemon.state_dir, cfg.daemon.cache_dir, cfg.kv.cold_dir,
+                                 cfg.maintenance.shadow_dir]),
+            "gpu": gpus,
+        }
+        if gpus is None:
+            out["gpu_reason"] = reason
+        if self.server is not None:
+            out["control"] = {"socket": str(self.server.path),
+                              "connections": self.server.connections,
+                              "in_flight": self.server.in_flight,
+                              "rejected_connections": self.server.rejected_connections}
+        out["scheduler"] = {"running": self.scheduler.running, "jobs": [
+            {"id": j.id, "name": j.name, "next_run": j.next_run_time.isoformat()
+             if j.next_run_time else None} for j in self.scheduler.get_jobs()]}
+        out["services"] = list(self._started)
+        for name in SERVICE_ORDER:
+            service = getattr(self, name)
+            if service is None:
+                continue
+            try:
+                out[name] = service.status()
+            except Exception as exc:  # one broken status provider must not hide the others
+                log.error("service_status_failed", service=name, exc_info=exc)
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        return out
+
+    def health(self) -> dict[str, Any]:
+        """{"status": ok|degraded|failing, "checks": [{name, status, detail}]}."""
+        checks: list[dict[str, Any]] = []
+
+        def add(name: str, status: str, detail: str) -> None:
+            checks.append({"name": name, "status": status, "detail": detail})
+
+        if self.ready:
+            add("daemon", "ok", f"running for {self.uptime_s():.0f} s")
+        else:
+            add("daemon", "degraded" if self._phase is Phase.STARTING else "failing", self.phase)
+        stale = time.monotonic() - self._last_progress
+        limit = 3 * self.config.daemon.main_loop_interval_s + 5.0
+        if self._phase is Phase.RUNNING:
+            add("main_loop", "ok" if stale <= limit else "failing",
+                f"last iteration {stale:.1f} s ago")
+        add("scheduler", "ok" if self.scheduler.running else "failing",
+            f"{len(self.scheduler.get_jobs())} jobs" if self.scheduler.running else "not running")
+        host = host_status([self.config.daemon.state_dir, self.config.kv.cold_dir])
+        mem = host["memory"]
+        add("memory", "degraded" if mem["available_bytes"] < mem["total_bytes"] * 0.05 else "ok",
+            f"{mem['available_bytes'] / 2**30:.1f} GiB available")
+        floor = self.config.maintenance.free_space_floor_bytes
+        for disk in host["disks"]:
+            if "free_bytes" not in disk:
+                add(f"disk {disk['path']}", "failing", disk.get("error", "unreadable"))
+                continue
+            add(f"disk {disk['path']}", "degraded" if disk["free_bytes"] < floor else "ok",
+                f"{disk['free_bytes'] / 2**30:.1f} GiB free")
+        for name in SERVICE_ORDER:
+            service = getattr(self, name)
+            probe = getattr(service, "health", None) if service is not None else None
+            if probe is None:
+                continue
+            try:
+                h = probe()
+                add(name, h.get("status", "ok"), str(h.get("detail", "")))
+            except Exception as exc:  # a failing probe is itself a failing check
+                log.error("service_health_failed", service=name, exc_info=exc)
+                add(name, "failing", f"health probe raised {type(exc).__name__}: {exc}")
+        worst = max((c["status"] for c in checks), key=lambda s: _HEALTH_RANK.get(s, 2))
+        return {"status": worst, "checks": checks}
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _status_line(self) -> str:
+        parts = [f"{self.phase}"]
+        if self.server is not None:
+            parts.append(f"socket {self.server.path}")
+            parts.append(f"{self.server.in_flight} requests in flight")
+        parts.append("services: " + (", ".join(self._started) or "none"))
+        return "; ".join(parts)
+
+    def _threads_alive(self) -> bool:
+        server_ok = self.server is None or (self.server._thread is not None
+                                            and self.server._thread.is_alive())
+        return server_ok and self.scheduler.running
+
+    def _on_job_event(self, event: JobEvent) -> None:
+        outcome = {EVENT_JOB_EXECUTED: "ok", EVENT_JOB_ERROR: "error",
+                   EVENT_JOB_MISSED: "missed",
+                   EVENT_JOB_MAX_INSTANCES: "skipped_overlap"}.get(event.code, "other")
+        self.core_metrics.job_runs.labels(event.job_id, outcome).inc()
+        if outcome == "error":
+            log.error("job_failed", job=event.job_id, exc_info=getattr(event, "exception", None))
+        elif outcome in ("missed", "skipped_overlap"):
+            log.warning("job_skipped", job=event.job_id, reason=outcome)
+
+
+def _with_field(cfg: Any, parts: list[str], source: Any) -> Any:
+    """`cfg` with the field at `parts` taken from `source` (same config type)."""
+    head = parts[0]
+    value = getattr(source, head)
+    if len(parts) > 1:
+        value = _with_field(getattr(cfg, head), parts[1:], value)
+    return dataclasses.replace(cfg, **{head: value})
+
+
+def _ensure_dir(path: Path) -> None:
+    if not path.exists():
+        path.mkdir(parents=True, mode=0o750)
+
+
+def _startup_exit_code(exc: BaseException) -> int:
+    if isinstance(exc, ConfigError):
+        return EX_CONFIG
+    if isinstance(exc, PermissionError):
+        return EX_NOPERM
+    if isinstance(exc, ControlSocketInUse):
+        return EX_CANTCREAT
+    return EX_SOFTWARE
