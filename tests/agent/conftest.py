@@ -10,35 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvagentd.config import AgentConfig, AssetConfig
-
-try:
-    from kvagentd.engine.executor import GenerationRequest, QueueFull
-except ImportError:  # TRANSITIONAL: until the engine's executor module exists
-    import enum
-    import sys
-    import types
-
-    _m = types.ModuleType("kvagentd.engine.executor")
-
-    class Priority(enum.IntEnum):
-        TICK = 0
-        ASK = 1
-        REPORT = 2
-
-    @dataclasses.dataclass(frozen=True)
-    class GenerationRequest:  # type: ignore[no-redef]
-        session: str
-        text: str
-        system: str | None = None
-        max_new_tokens: int = 64
-        priority: Priority = Priority.ASK
-        deadline_s: float | None = None
-
-    class QueueFull(Exception):  # type: ignore[no-redef]
-        pass
-
-    _m.Priority, _m.GenerationRequest, _m.QueueFull = Priority, GenerationRequest, QueueFull
-    sys.modules["kvagentd.engine.executor"] = _m
+from kvagentd.engine.executor import GenerationRequest, QueueFull
 
 
 @dataclasses.dataclass

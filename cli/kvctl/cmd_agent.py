@@ -1,0 +1,172 @@
+"""kvctl report list|show|run, kvctl events, kvctl jobs list|run|pause|resume."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import typer
+
+from kvctl import render
+from kvctl.common import JsonOpt, SocketOpt, TimeoutOpt, call, opts, usage_error
+
+
+def register(app: typer.Typer) -> None:
+    report_app = typer.Typer(help="Weekly reports and anomaly replays.", no_args_is_help=True)
+    report_app.command("list")(report_list)
+    report_app.command("show")(report_show)
+    run_app = typer.Typer(help="Start a report.", no_args_is_help=True)
+    run_app.command("weekly")(report_run_weekly)
+    run_app.command("replay")(report_run_replay)
+    report_app.add_typer(run_app, name="run")
+    app.add_typer(report_app, name="report")
+    app.command("events")(events)
+    jobs_app = typer.Typer(help="Scheduled jobs (ticks, reports, maintenance).",
+                           no_args_is_help=True)
+    jobs_app.command("list")(jobs_list)
+    jobs_app.command("run")(jobs_run)
+    jobs_app.command("pause")(jobs_pause)
+    jobs_app.command("resume")(jobs_resume)
+    app.add_typer(jobs_app, name="jobs")
+
+
+WaitOpt = Annotated[bool, typer.Option("--wait", help="wait until the report is written")]
+
+
+def report_list(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
+                timeout: TimeoutOpt = None) -> None:
+    """Reports in the state directory, newest first."""
+    o = opts(ctx, socket, json_out, timeout)
+    render.emit(o, call(o, "GET", "/v1/reports"), lambda r: render.table(
+        r["reports"], [("id", "id"), ("kind", "kind"), ("asset", "asset"), ("event", "event"),
+                       ("state", "state"), ("created", "created")],
+        {"created": _when}))
+
+
+def report_show(ctx: typer.Context, report_id: Annotated[str, typer.Argument(metavar="ID")],
+                socket: SocketOpt = None, json_out: JsonOpt = False,
+                timeout: TimeoutOpt = None) -> None:
+    """One report: its Markdown text and the paths of its files."""
+    o = opts(ctx, socket, json_out, timeout)
+    render.emit(o, call(o, "GET", f"/v1/reports/{report_id}"), _render_report)
+
+
+def report_run_weekly(ctx: typer.Context,
+                      asset: Annotated[str, typer.Option("--asset", "-a", help="asset name")],
+                      wait: WaitOpt = False, socket: SocketOpt = None,
+                      json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
+    """Write the weekly report of ASSET now."""
+    _run(opts(ctx, socket, json_out, timeout), {"kind": "weekly", "asset": asset}, wait)
+
+
+def report_run_replay(ctx: typer.Context,
+                      event: Annotated[int, typer.Option("--event", "-e", help="event id")],
+                      wait: WaitOpt = False, socket: SocketOpt = None,
+                      json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
+    """Resume the session that flagged EVENT and ask for a detailed explanation."""
+    _run(opts(ctx, socket, json_out, timeout), {"kind": "replay", "event": event}, wait)
+
+
+def _run(o, body: dict[str, Any], wait: bool) -> None:
+    started = call(o, "POST", "/v1/reports/run", body=body)
+    if not wait:
+        render.emit(o, started, lambda r: f"report {r['id']} started; "
+                                          f"kvctl report show {r['id']}")
+        return
+    deadline = time.monotonic() + max(o.timeout, 600.0)
+    doc = started
+    while time.monotonic() < deadline:
+        doc = call(o, "GET", f"/v1/reports/{started['id']}")
+        if doc.get("state") != "running":
+            break
+        time.sleep(1.0)
+    render.emit(o, doc, _render_report)
+    if doc.get("state") != "done":
+        raise typer.Exit(1)
+
+
+def events(ctx: typer.Context,
+           asset: Annotated[str | None, typer.Option("--asset", "-a")] = None,
+           since: Annotated[str | None, typer.Option(
+               "--since", help="unix seconds or an age: 90s, 15m, 2h, 7d")] = None,
+           anomalies: Annotated[bool, typer.Option("--anomalies", help="only anomalies")] = False,
+           limit: Annotated[int, typer.Option("--limit", "-n", min=1)] = 50,
+           socket: SocketOpt = None, json_out: JsonOpt = False,
+           timeout: TimeoutOpt = None) -> None:
+    """Event-log rows (ticks and bad data), newest first."""
+    o = opts(ctx, socket, json_out, timeout)
+    params: dict[str, Any] = {"limit": limit}
+    if asset:
+        params["asset"] = asset
+    if since:
+        params["since"] = since
+    if anomalies:
+        params["anomalies"] = "true"
+    render.emit(o, call(o, "GET", "/v1/events", params=params), _render_events)
+
+
+def jobs_list(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
+              timeout: TimeoutOpt = None) -> None:
+    """Every scheduled job with its trigger and next run."""
+    o = opts(ctx, socket, json_out, timeout)
+    render.emit(o, call(o, "GET", "/v1/jobs"), lambda r: render.table(
+        r["jobs"], [("id", "id"), ("trigger", "trigger"), ("next_run", "next run"),
+                    ("paused", "paused")]))
+
+
+def _job_action(action: str):
+    def command(ctx: typer.Context, job_id: Annotated[str, typer.Argument(metavar="ID")],
+                socket: SocketOpt = None, json_out: JsonOpt = False,
+                timeout: TimeoutOpt = None) -> None:
+        o = opts(ctx, socket, json_out, timeout)
+        if not job_id.strip():
+            usage_error(o, "a job id is required (kvctl jobs list)")
+        render.emit(o, call(o, "POST", f"/v1/jobs/{job_id}/{action}"),
+                    lambda r: f"{action} {r['job']['id']}: next run "
+                              f"{r['job']['next_run'] or '(paused)'}")
+    command.__doc__ = {"run": "Run a job now.", "pause": "Pause a job.",
+                       "resume": "Resume a paused job."}[action]
+    return command
+
+
+jobs_run = _job_action("run")
+jobs_pause = _job_action("pause")
+jobs_resume = _job_action("resume")
+
+
+# -- human renderers ----------------------------------------------------------------------
+
+def _when(t: Any) -> str:
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
+
+
+def _render_events(r: dict[str, Any]) -> str:
+    rows = []
+    for e in r["events"]:
+        f = e.get("features") or {}
+        ratios = f.get("envelope_ratio") or {}
+        top = max(ratios.items(), key=lambda kv: kv[1]) if ratios else None
+        rows.append({
+            "id": e["id"], "time": _when(e["t"]), "asset": e["asset"],
+            "zone": e.get("zone") or "-",
+            "rms": f"{f['rms_mm_s']:.2f}" if "rms_mm_s" in f else "-",
+            "kurt": f"{f['kurtosis']:.1f}" if "kurtosis" in f else "-",
+            "env": f"{top[0]} {top[1]:.1f}x" if top else "-",
+            "flag": "ANOMALY" if e.get("anomaly") else ("bad data" if e["kind"] == "bad_data"
+                                                         else ""),
+            "text": (e.get("assessment") or e.get("note") or "")[:60],
+        })
+    return render.table(rows, [("id", "id"), ("time", "time"), ("asset", "asset"),
+                               ("zone", "zone"), ("rms", "rms mm/s"), ("kurt", "kurt"),
+                               ("env", "envelope"), ("flag", "flag"), ("text", "assessment")])
+
+
+def _render_report(doc: dict[str, Any]) -> str:
+    if doc.get("state") == "running":
+        return f"report {doc['id']} is being written"
+    if doc.get("state") == "failed":
+        return f"report {doc['id']} failed: {doc.get('error')}"
+    files = "\n".join(f"  {p}" for p in doc.get("files") or [])
+    return f"{doc.get('markdown') or ''}\nfiles:\n{files}"

@@ -1,0 +1,109 @@
+"""Agent routes: the event log, reports and scheduler jobs.
+
+`daemon.agent` is a `kvagentd.agent.agent.Agent` (None when the agent is not running);
+`daemon.scheduler` is the APScheduler the jobs live in.
+
+    GET  /v1/events?asset=&since=&anomalies=&limit=   event rows, newest first
+    GET  /v1/reports                                  report list, newest first
+    GET  /v1/reports/{id}                             one report (JSON doc + Markdown)
+    POST /v1/reports/run {kind: weekly|replay, asset|event}   starts one; 202-like {id, state}
+    GET  /v1/jobs                                     every scheduler job
+    POST /v1/jobs/{id}/run|pause|resume
+`since` is unix seconds or a relative age such as "15m", "2h", "7d".
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from kvagentd.control.errors import BadRequest, NotFound, NotReady
+from kvagentd.control.router import Request, Router
+
+_AGE_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(text: str | None, now: float) -> float | None:
+    """Unix seconds, or an age ("90s", "15m", "2h", "7d") before `now`; raises BadRequest."""
+    if text is None or text == "":
+        return None
+    m = _AGE_RE.match(text.strip())
+    if m:
+        return now - float(m.group(1)) * _UNIT[m.group(2)]
+    try:
+        return float(text)
+    except ValueError:
+        raise BadRequest(f"since must be unix seconds or an age like 15m/2h/7d, got {text!r}") \
+            from None
+
+
+def register(router: Router, daemon: Any) -> None:
+    from kvagentd.agent import jobs
+    from kvagentd.agent.reports import ReportError
+
+    def agent() -> Any:
+        a = getattr(daemon, "agent", None)
+        if a is None:
+            raise NotReady("the agent is not running")
+        return a
+
+    def scheduler() -> Any:
+        s = getattr(daemon, "scheduler", None)
+        if s is None:
+            raise NotReady("the scheduler is not running")
+        return s
+
+    @router.route("GET", "/v1/events", change=False)
+    def events(req: Request) -> dict[str, Any]:
+        a = agent()
+        asset = req.query.get("asset") or None
+        if asset is not None and asset not in a.assets:
+            raise NotFound(f"unknown asset {asset!r}; known: {', '.join(a.assets)}")
+        rows = a.events.query(asset=asset, since=parse_since(req.query.get("since"), a.clock()),
+                              anomalies=req.query_bool("anomalies"),
+                              limit=req.query_int("limit", 100, lo=1, hi=100_000))
+        return {"events": rows, "count": len(rows)}
+
+    @router.route("GET", "/v1/reports", change=False)
+    def reports(req: Request) -> dict[str, Any]:
+        return {"reports": agent().reports.list()}
+
+    @router.route("GET", "/v1/reports/{id}", change=False)
+    def report(req: Request) -> dict[str, Any]:
+        doc = agent().reports.get(req.params["id"])
+        if doc is None:
+            raise NotFound(f"no report {req.params['id']!r}")
+        return doc
+
+    @router.route("POST", "/v1/reports/run", change=True)
+    def run_report(req: Request) -> dict[str, Any]:
+        body = req.json_object()
+        kind = body.get("kind")
+        event = body.get("event")
+        if kind == "replay" and not isinstance(event, int):
+            raise BadRequest("replay needs an integer 'event' id")
+        if kind == "weekly" and not isinstance(body.get("asset"), str):
+            raise BadRequest("weekly needs an 'asset' name")
+        try:
+            rid = agent().reports.start(str(kind), asset=body.get("asset"), event=event)
+        except ReportError as exc:
+            raise (NotFound if "unknown asset" in str(exc) or "unknown event" in str(exc)
+                   else BadRequest)(str(exc)) from None
+        return {"id": rid, "state": "running", "started": time.time()}
+
+    @router.route("GET", "/v1/jobs", change=False)
+    def list_jobs(req: Request) -> dict[str, Any]:
+        return {"jobs": jobs.list_jobs(scheduler())}
+
+    @router.route("POST", "/v1/jobs/{id}/{action}", change=True)
+    def job_action(req: Request) -> dict[str, Any]:
+        action = req.params["action"]
+        fn = {"run": jobs.run_job, "pause": jobs.pause_job, "resume": jobs.resume_job}.get(action)
+        if fn is None:
+            raise NotFound(f"no job action {action!r} (run, pause, resume)")
+        try:
+            return {"job": fn(scheduler(), req.params["id"]), "action": action}
+        except jobs.UnknownJob:
+            raise NotFound(f"no job {req.params['id']!r}") from None

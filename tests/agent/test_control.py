@@ -1,0 +1,110 @@
+"""Agent routes over a real control socket, driven through kvctl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import types
+from pathlib import Path
+
+import pytest
+
+from kvagentd.agent.agent import Agent
+from kvagentd.config import AssetConfig, ControlConfig, FaultConfig
+from kvagentd.control.handlers import agent as agent_handlers
+from kvagentd.control.router import Router
+from kvagentd.control.server import ControlServer
+
+from .conftest import agent_config
+
+
+@pytest.fixture
+def served(fake_executor, scheduler, clock, tmp_path):
+    ag = Agent(agent_config(assets=(AssetConfig(fault=FaultConfig(kind="outer_race",
+                                                                  onset_s=6.0)),)),
+               fake_executor, scheduler, tmp_path, clock=clock)
+    ag.start()
+    for _ in range(5):
+        ag.tick_once("pump-1")
+        clock.advance(3)
+    sockdir = Path(tempfile.mkdtemp(prefix="kva-", dir="/tmp"))
+    router = Router()
+    agent_handlers.register(router, types.SimpleNamespace(agent=ag, scheduler=scheduler))
+    server = ControlServer(ControlConfig(socket=sockdir / "s.sock", socket_group="",
+                                         operator_group=""), router)
+    server.start()
+    yield ag, sockdir / "s.sock"
+    server.stop(1.0)
+    ag.stop()
+    shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def _app():
+    import typer
+
+    from kvctl import cmd_agent
+    from kvctl.main import root
+
+    app = typer.Typer(no_args_is_help=True, add_completion=False,
+                      pretty_exceptions_enable=False)
+    app.callback()(root)
+    cmd_agent.register(app)
+    return app
+
+
+def kvctl(sock: Path, *args: str, capsys) -> tuple[int, str]:
+    import structlog
+
+    capsys.readouterr()
+    with structlog.testing.capture_logs():  # the server's request log would mix into stdout
+        try:
+            _app()(args=["--socket", str(sock), *args], prog_name="kvctl")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0
+    return (64 if code == 2 else code), capsys.readouterr().out
+
+
+def test_events_reports_and_jobs_through_kvctl(served, capsys):
+    ag, sock = served
+    code, out = kvctl(sock, "--json", "events", "--asset", "pump-1", capsys=capsys)
+    assert code == 0 and json.loads(out)["count"] == 5
+    code, out = kvctl(sock, "--json", "events", "--anomalies", capsys=capsys)
+    flagged = json.loads(out)["events"]
+    assert code == 0 and flagged and all(e["anomaly"] for e in flagged)
+    code, out = kvctl(sock, "events", "--since", "1h", capsys=capsys)
+    assert code == 0 and "ANOMALY" in out
+    code, _ = kvctl(sock, "events", "--asset", "nope", capsys=capsys)
+    assert code == 1
+    code, _ = kvctl(sock, "events", "--since", "yesterday", capsys=capsys)
+    assert code == 64
+
+    code, out = kvctl(sock, "--json", "report", "run", "weekly", "--asset", "pump-1", "--wait",
+                      capsys=capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["state"] == "done" and len(doc["files"]) == 3
+    code, out = kvctl(sock, "report", "run", "replay", "--event", str(flagged[-1]["id"]),
+                      "--wait", capsys=capsys)
+    assert code == 0 and "Anomaly replay" in out
+    code, out = kvctl(sock, "--json", "report", "list", capsys=capsys)
+    assert sorted(r["kind"] for r in json.loads(out)["reports"]) == ["replay", "weekly"]
+    code, out = kvctl(sock, "report", "show", doc["id"], capsys=capsys)
+    assert code == 0 and "Weekly vibration report" in out
+    assert kvctl(sock, "report", "show", "weekly-nope", capsys=capsys)[0] == 1
+    assert kvctl(sock, "report", "run", "replay", "--event", "999", capsys=capsys)[0] == 1
+
+    code, out = kvctl(sock, "jobs", "list", capsys=capsys)
+    assert code == 0 and "agent.tick.pump-1" in out and "agent.weekly.pump-1" in out
+    code, out = kvctl(sock, "--json", "jobs", "pause", "agent.tick.pump-1", capsys=capsys)
+    assert code == 0 and json.loads(out)["job"]["paused"] is True
+    code, out = kvctl(sock, "--json", "jobs", "resume", "agent.tick.pump-1", capsys=capsys)
+    assert code == 0 and json.loads(out)["job"]["paused"] is False
+    assert kvctl(sock, "jobs", "run", "agent.weekly.pump-1", capsys=capsys)[0] == 0
+    assert kvctl(sock, "jobs", "pause", "nope", capsys=capsys)[0] == 1
+
+
+def test_since_parsing():
+    assert agent_handlers.parse_since("15m", 1000.0) == 100.0
+    assert agent_handlers.parse_since("123.5", 0.0) == 123.5
+    assert agent_handlers.parse_since(None, 0.0) is None
