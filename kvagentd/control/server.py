@@ -545,6 +545,8 @@ class ControlServer:
             log.warning("control_socket_group_missing", group=self.cfg.socket_group,
                         socket=str(self.path), effect="socket keeps the daemon's group")
             return
+        if os.stat(self.path).st_gid == gid:
+            return  # NOTE: no chown call: the unit's syscall filter denies @chown
         try:
             os.chown(self.path, -1, gid)
         except PermissionError as exc:
