@@ -1,17 +1,626 @@
-"""TieredKVStore: the block store facade (hot / warm pools, cold store). Body in progress."""
+"""TieredKVStore: hot and warm block arenas over a cold store, behind the `KVStore` contract.
+
+One owner lock (a Condition) guards all block metadata; copies and I/O run outside it through
+`Migrator` (prepare -> copy -> complete). Readers of a MIGRATING block wait on the Condition.
+Storage faults never raise into callers: an unreadable cold block becomes LOST and is reported
+as `missing`.
+
+References: a session references every block it committed or made resident (`sessions` of a
+block); `drop_session` removes the reference and frees blocks nobody references. A request
+holds use-references (`users`) from `ensure_resident` / `commit` until `release`; a block in
+use is never moved, demoted or evicted by anyone else.
+
+Persistence: `close()` writes hot and warm blocks that sessions reference to the cold store
+and saves the session -> keys map; a new store over the same cold directory rebuilds its
+block index from the cold index, so `match_prefix` finds those blocks after a restart.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import heapq
+import queue
+import threading
+import time
+from typing import Callable, Iterable, Sequence
 
-from kvagentd.kvcache.base import BlockKey, ColdBackend, KVGeometry, KVStore
+import structlog
+import torch
+
+from kvagentd.kvcache import keys as keymod
+from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdBackend, KVGeometry, KVStore,
+                                   MatchResult, Residency, Tier)
+from kvagentd.kvcache.migration import Migrator
+from kvagentd.kvcache.pool import BlockPool
+from kvagentd.kvcache.state import BlockMeta, BlockState, IntegrityError, transition
+
+log = structlog.get_logger(__name__)
 
 AccessListener = Callable[[list[BlockKey], str], None]
+_RANK = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
+_BG_BATCH = 8  # background promotions per cold read: bounds how long a foreground read waits
 
 
-class TieredKVStore(KVStore):  # type: ignore[misc]
+class TieredKVStore(KVStore):
+    """Block store over a hot pool (`device`), a warm pool (host memory, pinned with CUDA)
+    and an optional cold backend. Pools are allocated once here and never grow."""
+
     def __init__(self, geometry: KVGeometry, namespace: bytes, *, hot_bytes: int, warm_bytes: int,
-                 cold: ColdBackend | None = None, device: str = "cpu",
+                 cold: ColdBackend | None = None, device: str | torch.device = "cpu",
                  access_listener: AccessListener | None = None, persist_on_shutdown: bool = True,
-                 io_threads: int = 2, prefetch_queue: int = 64) -> None:
-        raise NotImplementedError
+                 prefetch_queue: int = 64) -> None:
+        self.geometry = geometry
+        self.namespace = namespace
+        self.device = torch.device(device)
+        self.access_listener = access_listener
+        self.persist_on_shutdown = persist_on_shutdown
+        shape, dt = geometry.block_shape, geometry.dtype
+        self._pools = {
+            Tier.HOT: BlockPool.from_bytes("hot", hot_bytes, shape, dt, self.device),
+            Tier.WARM: BlockPool.from_bytes("warm", warm_bytes, shape, dt, "cpu", pin_memory=True),
+        }
+        self._owners: dict[Tier, dict[int, BlockKey]] = {Tier.HOT: {}, Tier.WARM: {}}
+        self._cold = cold
+        self._cond = threading.Condition(threading.Lock())
+        self._mig = Migrator(self._pools, self._owners, cold, self._cond)
+        self._staged = self.device.type != "cpu"  # hot <-> cold goes through warm
+        self._meta: dict[BlockKey, BlockMeta] = {}
+        self._held: dict[str, list[BlockKey]] = {}      # use-references per session
+        self._private: dict[str, list[int]] = {}        # uncommitted hot slots per session
+        self.counters = dict(match_calls=0, matched_blocks=0, loaded_hot=0, loaded_warm=0,
+                             loaded_cold=0, lost=0, demoted=0, promoted=0, dedup=0,
+                             prefetch_queued=0, prefetch_dropped=0, evicted=0, relocated=0)
+        self._bg: queue.Queue[tuple[list[BlockKey], Tier] | None] = queue.Queue(prefetch_queue)
+        self._bg_thread: threading.Thread | None = None
+        self._closed = False
+        if cold is not None:
+            self._load_cold_index(cold)
+
+    def _load_cold_index(self, cold: ColdBackend) -> None:
+        entries = getattr(cold, "entries", None)
+        rows = entries() if entries is not None else [(k, time.time(), "") for k in cold.keys()]
+        refs = getattr(cold, "load_refs", lambda: {})()
+        with self._cond:
+            for key, last_access, _session in rows:
+                m = BlockMeta(key, in_cold=True, last_access=last_access)
+                transition(m, BlockState.COLD)
+                self._meta[key] = m
+            for session, ks in refs.items():
+                for k in ks:
+                    if k in self._meta:
+                        self._meta[k].sessions.add(session)
+        if hasattr(cold, "on_evict"):
+            cold.on_evict = self._on_cold_evict
+        log.info("store_index_loaded", blocks=len(rows), sessions=len(refs))
+
+    # -- service -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the background (prefetch) mover."""
+        if self._bg_thread is None:
+            self._bg_thread = threading.Thread(target=self._bg_loop, name="kv-prefetch", daemon=True)
+            self._bg_thread.start()
+
+    def stop(self) -> None:
+        self.close()
+
+    def status(self) -> dict[str, object]:
+        return self.stats()
+
+    # -- lookups -----------------------------------------------------------------------------
+    def block_keys(self, token_ids: Sequence[int]) -> list[BlockKey]:
+        return keymod.block_keys(self.namespace, token_ids, self.geometry.block_tokens)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        keys = self.block_keys(token_ids)
+        n = 0
+        with self._cond:
+            for k in keys:
+                m = self._meta.get(k)
+                if m is None or m.state in (BlockState.LOST, BlockState.FREE):
+                    break
+                n += 1
+            self.counters["match_calls"] += 1
+            self.counters["matched_blocks"] += n
+        return MatchResult(keys[:n], n * self.geometry.block_tokens)
+
+    def hot_arena(self) -> torch.Tensor:
+        return self._pools[Tier.HOT].arena
+
+    def warm_arena(self) -> torch.Tensor:
+        return self._pools[Tier.WARM].arena
+
+    def pool(self, tier: Tier) -> BlockPool:
+        """The hot or warm pool (read-only use: fragmentation figures, capacity)."""
+        return self._pools[tier]
+
+    # -- the inference path ------------------------------------------------------------------
+    def ensure_resident(self, keys: Sequence[BlockKey], session: str) -> Residency:
+        metas: list[BlockMeta] = []
+        missing: int | None = None
+        with self._cond:
+            for i, k in enumerate(keys):
+                m = self._wait_settled(k)
+                if m is None or m.state is BlockState.LOST:
+                    missing = i
+                    break
+                m.users += 1
+                m.sessions.add(session)
+                self._held.setdefault(session, []).append(k)
+                metas.append(m)
+            source = [m.tier for m in metas]
+        if self._staged:
+            self._bring(metas, Tier.WARM, only_from=Tier.COLD)
+        self._bring(metas, Tier.HOT)
+        loaded = {"hot": 0, "warm": 0, "cold": 0}
+        with self._cond:
+            while any(m.state is BlockState.MIGRATING for m in metas):
+                self._cond.wait()
+            n_ok = len(metas)
+            for i, m in enumerate(metas):
+                if m.state is not BlockState.HOT:
+                    n_ok = i
+                    missing = i
+                    break
+            for m in metas[n_ok:]:
+                self._unhold(session, m)
+            slots = [m.slot for m in metas[:n_ok]]
+            now = time.time()
+            for m, src in zip(metas[:n_ok], source):
+                m.last_access = now
+                loaded[src.value] += 1
+            for t, c in loaded.items():
+                self.counters[f"loaded_{t}"] += c
+        return Residency(slots, missing, loaded)
+
+    def _wait_settled(self, key: BlockKey) -> BlockMeta | None:
+        """Caller holds the lock; waits while the block is MIGRATING."""
+        m = self._meta.get(key)
+        while m is not None and m.state is BlockState.MIGRATING:
+            self._cond.wait()
+            m = self._meta.get(key)
+        return m
+
+    def _bring(self, metas: list[BlockMeta], dst: Tier, *, only_from: Tier | None = None) -> None:
+        """Move the held `metas` up to `dst`, in order, as far as room can be made."""
+        def wanted(m: BlockMeta) -> bool:
+            t = m.tier
+            return t is not None and _RANK[t] > _RANK[dst] and (only_from is None or t is only_from)
+
+        with self._cond:
+            n = sum(1 for m in metas if wanted(m))
+        if n == 0:
+            return
+        self._make_room(dst, n)
+        with self._cond:
+            todo = [m for m in metas if wanted(m)][:self._pools[dst].num_free]
+            if not todo:
+                return
+            moves = self._mig.prepare(todo, dst)
+        assert moves is not None
+        self._run_prepared(moves)
+
+    def allocate_hot(self, n: int, session: str) -> list[int] | None:
+        for _ in range(4):
+            with self._cond:
+                slots = self._pools[Tier.HOT].allocate(n)
+                if slots is not None:
+                    self._private.setdefault(session, []).extend(slots)
+                    return slots
+            if not self._make_room(Tier.HOT, n):
+                return None
+        return None
+
+    def commit(self, session: str, token_ids: Sequence[int], slots: Sequence[int],
+               first_block: int) -> list[BlockKey]:
+        keys = self.block_keys(token_ids)[first_block:first_block + len(slots)]
+        if len(keys) != len(slots):
+            raise ValueError(f"{len(slots)} slots but only {len(keys)} full blocks from {first_block}")
+        with self._cond:
+            priv = self._private.get(session, [])
+            for s in slots:
+                if s not in priv:
+                    raise ValueError(f"slot {s} is not a private slot of session {session!r}")
+            now = time.time()
+            for key, s in zip(keys, slots):
+                priv.remove(s)
+                m = self._meta.get(key)
+                if m is not None and m.state is BlockState.LOST:
+                    transition(m, BlockState.FREE)
+                    del self._meta[key]
+                    m = None
+                if m is not None:  # the same content exists: keep it, free the duplicate
+                    self._pools[Tier.HOT].free([s])
+                    self.counters["dedup"] += 1
+                else:
+                    m = BlockMeta(key, slot=s)
+                    transition(m, BlockState.HOT)
+                    self._owners[Tier.HOT][s] = key
+                    self._meta[key] = m
+                m.users += 1
+                m.sessions.add(session)
+                m.last_access = now
+                self._held.setdefault(session, []).append(key)
+        return keys
+
+    def release(self, session: str) -> None:
+        with self._cond:
+            for k in self._held.pop(session, []):
+                m = self._meta.get(k)
+                if m is not None:
+                    m.users -= 1
+            slots = self._private.pop(session, [])
+            if slots:
+                self._pools[Tier.HOT].free(slots)
+            self._cond.notify_all()
+
+    def _unhold(self, session: str, m: BlockMeta) -> None:
+        held = self._held.get(session, [])
+        held.remove(m.key)
+        m.users -= 1
+
+    def record_access(self, keys: Iterable[BlockKey], session: str) -> None:
+        keys = list(keys)
+        now = time.time()
+        with self._cond:
+            for k in keys:
+                m = self._meta.get(k)
+                if m is not None:
+                    m.last_access = now
+        if self.access_listener is not None:
+            try:
+                self.access_listener(keys, session)
+            except Exception:  # a policy bug must not break inference
+                log.exception("access_listener_failed", session=session)
+
+    # -- moves -------------------------------------------------------------------------------
+    def _run_prepared(self, moves) -> int:
+        ok = self._mig.copy(moves)
+        with self._cond:
+            lost = self._mig.complete(moves, ok)
+            self.counters["lost"] += len(lost)
+        if lost and self._cold is not None:
+            self._cold.delete([m.key for m in lost])  # unreadable; recomputed and re-committed
+        return sum(ok)
+
+    def _movable(self, m: BlockMeta) -> bool:
+        return m.users == 0 and m.tier is not None
+
+    def _migrate(self, keys: Sequence[BlockKey], dst: Tier, *, make_room: bool) -> int:
+        """Move idle blocks to `dst` (either direction); hot <-> cold stages via warm on GPU."""
+        if dst is Tier.COLD and self._cold is None:
+            return 0
+        if self._staged:
+            with self._cond:
+                via_warm = [k for k in keys if (m := self._meta.get(k)) is not None and self._movable(m)
+                            and {m.tier, dst} == {Tier.HOT, Tier.COLD}]
+            if via_warm:
+                self._migrate(via_warm, Tier.WARM, make_room=make_room)
+        with self._cond:
+            todo = [m for k in keys if (m := self._meta.get(k)) is not None and self._movable(m)
+                    and m.tier is not dst and not (self._staged and {m.tier, dst} == {Tier.HOT, Tier.COLD})]
+        if not todo:
+            return 0
+        if dst is not Tier.COLD and make_room:
+            self._make_room(dst, len(todo), exclude={m.key for m in todo})
+        with self._cond:
+            todo = [m for m in todo if self._movable(m) and m.tier is not dst]
+            if dst is not Tier.COLD:
+                todo = todo[:self._pools[dst].num_free]
+            if not todo:
+                return 0
+            moves = self._mig.prepare(todo, dst)
+        assert moves is not None
+        return self._run_prepared(moves)
+
+    def _make_room(self, tier: Tier, n: int, exclude: set[BlockKey] = frozenset()) -> bool:
+        """Demote least-recently-used idle, unpinned blocks of `tier` until `n` slots are free."""
+        lower = Tier.WARM if tier is Tier.HOT else Tier.COLD
+        for _ in range(4):
+            with self._cond:
+                pool = self._pools[tier]
+                short = n - pool.num_free
+                if short <= 0:
+                    return True
+                cands = (self._meta[k] for k in self._owners[tier].values())
+                victims = heapq.nsmallest(short, (m for m in cands if self._movable(m) and m.pins == 0
+                                                  and m.key not in exclude),
+                                          key=lambda m: m.last_access)
+                if not victims:
+                    return False
+                keys = [m.key for m in victims]
+            if lower is Tier.COLD and self._cold is None:
+                return False
+            moved = 0
+            if lower is Tier.WARM:
+                self._make_room(Tier.WARM, len(keys))
+                moved = self._migrate(keys, Tier.WARM, make_room=False)
+                if moved < len(keys) and self._cold is not None and not self._staged:
+                    with self._cond:
+                        rest = [k for k in keys if (m := self._meta.get(k)) is not None
+                                and m.tier is Tier.HOT]
+                    moved += self._migrate(rest, Tier.COLD, make_room=False)
+            else:
+                moved = self._migrate(keys, Tier.COLD, make_room=False)
+            self.counters["demoted"] += moved
+            if moved == 0:
+                return False
+        with self._cond:
+            return self._pools[tier].num_free >= n
+
+    def promote(self, keys: Sequence[BlockKey], tier: Tier, *, background: bool = False) -> int:
+        if background:
+            try:
+                self._bg.put_nowait((list(keys), tier))
+            except queue.Full:
+                self.counters["prefetch_dropped"] += len(keys)
+                return 0
+            self.counters["prefetch_queued"] += len(keys)
+            if self._bg_thread is None:
+                self.start()
+            return len(keys)
+        with self._cond:
+            up = [k for k in keys if (m := self._meta.get(k)) is not None and m.tier is not None
+                  and _RANK[m.tier] > _RANK[tier]]
+        moved = self._migrate(up, tier, make_room=False) if up else 0
+        self.counters["promoted"] += moved
+        return moved
+
+    def _bg_loop(self) -> None:
+        while True:
+            item = self._bg.get()
+            if item is None:
+                return
+            keys, tier = item
+            for i in range(0, len(keys), _BG_BATCH):
+                try:
+                    self.promote(keys[i:i + _BG_BATCH], tier)
+                except Exception:  # the mover must outlive any one bad request
+                    log.exception("prefetch_failed", blocks=len(keys))
+
+    def demote(self, keys: Sequence[BlockKey], tier: Tier) -> int:
+        with self._cond:
+            down = [k for k in keys if (m := self._meta.get(k)) is not None and m.tier is not None
+                    and _RANK[m.tier] < _RANK[tier] and m.pins == 0]
+        moved = self._migrate(down, tier, make_room=True) if down else 0
+        self.counters["demoted"] += moved
+        return moved
+
+    def pin(self, keys: Sequence[BlockKey]) -> None:
+        with self._cond:
+            for k in keys:
+                if (m := self._meta.get(k)) is not None:
+                    m.pins += 1
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        with self._cond:
+            for k in keys:
+                if (m := self._meta.get(k)) is not None and m.pins > 0:
+                    m.pins -= 1
+
+    # -- forgetting --------------------------------------------------------------------------
+    def _forget(self, m: BlockMeta) -> None:
+        """Caller holds the lock; `m` is idle and settled."""
+        if m.tier in (Tier.HOT, Tier.WARM):
+            self._pools[m.tier].free([m.slot])
+            del self._owners[m.tier][m.slot]
+            m.slot = None
+        transition(m, BlockState.FREE)
+        del self._meta[m.key]
+
+    def drop_session(self, session: str, keys: Sequence[BlockKey]) -> None:
+        drop_cold = []
+        with self._cond:
+            for k in keys:
+                m = self._meta.get(k)
+                if m is None:
+                    continue
+                m.sessions.discard(session)
+                if not m.sessions and m.users == 0 and m.pins == 0 and m.state is not BlockState.MIGRATING:
+                    if m.in_cold:
+                        drop_cold.append(k)
+                    self._forget(m)
+        if drop_cold and self._cold is not None:
+            self._cold.delete(drop_cold)
+
+    def evict(self, keys: Sequence[BlockKey]) -> int:
+        drop_cold, n = [], 0
+        with self._cond:
+            for k in keys:
+                m = self._meta.get(k)
+                if m is None or m.users or m.pins or m.state is BlockState.MIGRATING:
+                    continue
+                if m.in_cold:
+                    drop_cold.append(k)
+                self._forget(m)
+                n += 1
+            self.counters["evicted"] += n
+        if drop_cold and self._cold is not None:
+            self._cold.delete(drop_cold)
+        return n
+
+    def _on_cold_evict(self, keys: list[BlockKey]) -> None:
+        """The cold store dropped records to stay under its cap."""
+        with self._cond:
+            for k in keys:
+                m = self._meta.get(k)
+                if m is None:
+                    continue
+                m.in_cold = False
+                if m.state is BlockState.COLD and m.users == 0:
+                    self._forget(m)
+
+    def relocate(self, tier: Tier, moves: Sequence[tuple[int, int]]) -> int:
+        if tier is Tier.COLD:
+            return 0
+        pool, owners, n = self._pools[tier], self._owners[tier], 0
+        with self._cond:
+            for src, dst in moves:
+                key = owners.get(src)
+                if key is None or pool.is_used(dst):
+                    continue
+                m = self._meta[key]
+                if m.users or m.state is BlockState.MIGRATING:
+                    continue
+                pool.move(src, dst)
+                del owners[src]
+                owners[dst] = key
+                m.slot = dst
+                m.version += 1
+                n += 1
+            self.counters["relocated"] += n
+        return n
+
+    # -- views -------------------------------------------------------------------------------
+    def snapshot(self) -> list[BlockInfo]:
+        bb = self.geometry.block_bytes
+        with self._cond:
+            return [BlockInfo(m.key, m.tier, m.pins > 0, m.users > 0, tuple(sorted(m.sessions)),
+                              m.last_access, bb) for m in self._meta.values()]
+
+    def session_blocks(self) -> dict[str, dict[str, int]]:
+        """Per session: how many referenced blocks sit in each tier (and LOST / moving)."""
+        out: dict[str, dict[str, int]] = {}
+        with self._cond:
+            for m in self._meta.values():
+                for s in m.sessions:
+                    d = out.setdefault(s, {"hot": 0, "warm": 0, "cold": 0, "other": 0})
+                    d[m.tier.value if m.tier is not None else "other"] += 1
+        return out
+
+    def keys_of_session(self, session: str) -> list[BlockKey]:
+        with self._cond:
+            return [m.key for m in self._meta.values() if session in m.sessions]
+
+    def stats(self) -> dict[str, object]:
+        bb = self.geometry.block_bytes
+        with self._cond:
+            by_state: dict[str, int] = {}
+            pinned = in_use = 0
+            for m in self._meta.values():
+                by_state[m.state.value] = by_state.get(m.state.value, 0) + 1
+                pinned += m.pins > 0
+                in_use += m.users > 0
+            tiers = {}
+            for t in (Tier.HOT, Tier.WARM):
+                p = self._pools[t]
+                tiers[t.value] = {"blocks": by_state.get(t.value, 0),
+                                  "bytes": by_state.get(t.value, 0) * bb, **p.stats()}
+            private = sum(len(v) for v in self._private.values())
+            out: dict[str, object] = {
+                "block_bytes": bb, "blocks": len(self._meta), "states": by_state,
+                "pinned": pinned, "in_use": in_use, "private_slots": private,
+                "tiers": tiers, "migrations": self._mig.moved, "migration_failures": self._mig.failed,
+                **self.counters,
+            }
+        cold = {"blocks": by_state.get("cold", 0), "bytes": by_state.get("cold", 0) * bb}
+        if self._cold is not None:
+            cold.update(self._cold.stats())
+        tiers["cold"] = cold
+        return out
+
+    def check_integrity(self) -> None:
+        with self._cond:
+            for t, pool in self._pools.items():
+                pool.check_integrity()
+                for s, k in self._owners[t].items():
+                    m = self._meta.get(k)
+                    if m is None or m.slot != s or m.tier is not t:
+                        raise IntegrityError(f"{t.value} slot {s} owned by unknown or moved block")
+            reserved = {Tier.HOT: 0, Tier.WARM: 0}
+            users: dict[BlockKey, int] = {}
+            for held in self._held.values():
+                for k in held:
+                    users[k] = users.get(k, 0) + 1
+            for k, m in self._meta.items():
+                if m.key != k or m.pins < 0 or m.users < 0:
+                    raise IntegrityError(f"block {k.hex()}: bad key or negative counts")
+                if m.users != users.get(k, 0):
+                    raise IntegrityError(f"block {k.hex()}: {m.users} users, {users.get(k, 0)} held")
+                if m.state is BlockState.FREE:
+                    raise IntegrityError(f"block {k.hex()}: FREE block still indexed")
+                if m.tier in (Tier.HOT, Tier.WARM) and self._owners[m.tier].get(m.slot) != k:
+                    raise IntegrityError(f"block {k.hex()}: slot {m.slot} not owned")
+                if m.state is BlockState.MIGRATING:
+                    if m.dst_slot is not None:
+                        reserved[m.dst_tier] += 1
+                    if m.src_state in (BlockState.HOT, BlockState.WARM):
+                        src = Tier.HOT if m.src_state is BlockState.HOT else Tier.WARM
+                        if self._owners[src].get(m.slot) != k:
+                            raise IntegrityError(f"block {k.hex()}: source slot lost while moving")
+                if m.state is BlockState.COLD and not m.in_cold:
+                    raise IntegrityError(f"block {k.hex()}: COLD without a cold record")
+            private = sum(len(v) for v in self._private.values())
+            for t, pool in self._pools.items():
+                expect = len(self._owners[t]) + reserved[t] + (private if t is Tier.HOT else 0)
+                if pool.num_used != expect:
+                    raise IntegrityError(f"{t.value}: {pool.num_used} used slots, {expect} accounted")
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def persist(self) -> int:
+        """Write hot and warm blocks that sessions reference to the cold tier and save the
+        session map; returns how many blocks were written."""
+        if self._cold is None:
+            return 0
+        written = 0
+        with self._cond:
+            todo = [m for m in self._meta.values()
+                    if m.tier in (Tier.HOT, Tier.WARM) and m.sessions and not m.in_cold]
+            items = []
+            for m in todo:
+                arena = self._pools[m.tier].arena
+                items.append((m, arena[m.slot].to("cpu", copy=True) if arena.device.type != "cpu"
+                              else arena[m.slot].clone()))
+        put_many = getattr(self._cold, "put_many", None)
+        if items:
+            keys, blocks = [m.key for m, _ in items], [b for _, b in items]
+            res = put_many(keys, blocks) if put_many else [self._cold.put(k, b) for k, b in zip(keys, blocks)]
+            with self._cond:
+                for (m, _), r in zip(items, res):
+                    if r:
+                        m.in_cold = True
+                        written += 1
+        save = getattr(self._cold, "save_refs", None)
+        if save is not None:
+            with self._cond:
+                refs: dict[str, list[BlockKey]] = {}
+                for m in self._meta.values():
+                    if m.in_cold:
+                        for s in m.sessions:
+                            refs.setdefault(s, []).append(m.key)
+            save(refs)
+        log.info("store_persisted", written=written, of=len(items))
+        return written
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._bg_thread is not None:
+            while True:
+                try:
+                    self._bg.put(None, timeout=1.0)
+                    break
+                except queue.Full:
+                    try:
+                        self._bg.get_nowait()
+                    except queue.Empty:
+                        pass
+            self._bg_thread.join(timeout=30.0)
+        if self.persist_on_shutdown:
+            self.persist()
+        if self._cold is not None:
+            self._cold.close()
+
+
+def from_config(kv_config, geometry: KVGeometry, namespace: bytes, device: str | torch.device = "cpu",
+                *, access_listener: AccessListener | None = None, file_io=None) -> TieredKVStore:
+    """Build the store and its cold tier from `Config.kv` (a `KVConfig`)."""
+    from kvagentd.kvcache.coldstore import ColdStore
+
+    kv = kv_config
+    cold = ColdStore(kv.cold_dir, geometry, namespace, codec=kv.cold_codec,
+                     capacity_bytes=kv.cold_capacity_bytes, segment_bytes=kv.segment_bytes,
+                     io_unit_bytes=kv.io_unit_bytes, o_direct=kv.o_direct, file_io=file_io,
+                     ttl_s=kv.cold_ttl_s)
+    return TieredKVStore(geometry, namespace, hot_bytes=kv.hot_bytes,
+                         warm_bytes=int(kv.hot_bytes * kv.warm_ratio), cold=cold, device=device,
+                         access_listener=access_listener, persist_on_shutdown=kv.persist_on_shutdown)
