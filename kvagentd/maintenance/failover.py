@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import errno
 import os
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -61,8 +62,11 @@ class IllegalTransition(RuntimeError):
 
 
 def _io_errors(backend: Any) -> int:
+    """Faults a cold store has counted: read I/O errors plus failed writes (EIO, ENOSPC, EROFS)."""
     st = backend.stats()
-    return int(st.get("io_errors", 0) or 0) if isinstance(st, dict) else 0
+    if not isinstance(st, dict):
+        return 0
+    return int(st.get("io_errors", 0) or 0) + int(st.get("write_failures", 0) or 0)
 
 
 class FailoverColdStore(ColdBackend):
@@ -91,6 +95,7 @@ class FailoverColdStore(ColdBackend):
         self.failbacks = 0
         self.restored_blocks = 0
         self._errors_seen = _io_errors(primary)
+        self._wear_read_only = bool(primary.read_only)
         if shadow.keys():
             # A previous run failed over and stopped before failing back: keep serving the
             # shadow's records and write them back after good probes.
@@ -139,8 +144,10 @@ class FailoverColdStore(ColdBackend):
                     return True
                 fault = self._primary_faulted()
                 reason = "cold write failed on the SSD"
-            except OSError as exc:
-                fault, reason = True, f"cold write failed on the SSD: {exc.strerror or exc}"
+            except (OSError, sqlite3.Error) as exc:
+                # NOTE: the SSD store's SQLite index lives on the same disk; a full or failing
+                # disk can surface as sqlite3.OperationalError from its commit.
+                fault, reason = True, f"cold write failed on the SSD: {exc}"
             if not fault:
                 return False  # full or read-only: an expected outcome, not a failure
             self.activate(reason)
@@ -157,9 +164,9 @@ class FailoverColdStore(ColdBackend):
         if rest:
             try:
                 got = self.primary.read_into([keys[i] for i in rest], [outs[i] for i in rest])
-            except OSError as exc:
+            except (OSError, sqlite3.Error) as exc:
                 got = [False] * len(rest)
-                self.activate(f"cold read failed on the SSD: {exc.strerror or exc}")
+                self.activate(f"cold read failed on the SSD: {exc}")
             for i, ok in zip(rest, got):
                 result[i] = ok
             if not all(got) and self._primary_faulted():
@@ -174,7 +181,7 @@ class FailoverColdStore(ColdBackend):
         n = self.shadow.delete(keys)
         try:
             n += self.primary.delete(keys)
-        except OSError as exc:
+        except (OSError, sqlite3.Error) as exc:
             log.warning("cold_delete_failed", error=str(exc))
         return n
 
@@ -194,27 +201,96 @@ class FailoverColdStore(ColdBackend):
     def evict(self, keys: Sequence[BlockKey]) -> int:
         return self.delete(keys)
 
-    def verify(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
-        """Checksum-verify records wherever they live; returns the corrupt or unreadable keys."""
-        shadow = [k for k in keys if self.shadow.contains(k)]
-        rest = [k for k in keys if k not in set(shadow)]
-        bad = list(self.shadow.verify(shadow)) if shadow else []
-        if rest:
-            try:
-                bad += list(self.primary.verify(rest))
-            except OSError as exc:
-                self.activate(f"verify failed on the SSD: {exc.strerror or exc}")
-                bad += rest
-        return bad
+    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
+        """Checksum-verify the records of both stores (the scrub); counts summed."""
+        a = self.shadow.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s)
+        try:
+            b = self.primary.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s)
+        except OSError as exc:
+            self.activate(f"verify failed on the SSD: {exc.strerror or exc}")
+            b = {}
+        return {k: int(a.get(k, 0)) + int(b.get(k, 0)) for k in set(a) | set(b)}
 
-    def compact(self) -> dict[str, Any]:
-        """Segment compaction of the SSD store (skipped while it is not serving)."""
+    def compact(self, min_dead_ratio: float = 0.5) -> int:
+        """Segment compaction of the SSD store (skipped, 0, while it is not serving)."""
         if self.state is not ServingTier.SSD:
-            return {"skipped": f"cold tier is serving from {self.state.value}"}
-        return self.primary.compact()
+            return 0
+        return self.primary.compact(min_dead_ratio)
 
+    # ---- the rest of the ColdStore surface the store uses --------------------------------
     def set_read_only(self, flag: bool) -> None:
-        self.primary.set_read_only(flag)
+        """Wear limit reached (or cleared): the SSD takes no new records; not a failover."""
+        self._wear_read_only = flag
+        self.primary.read_only = flag
+
+    @property
+    def read_only(self) -> bool:
+        return self.primary.read_only and self.state is ServingTier.SSD
+
+    @read_only.setter
+    def read_only(self, flag: bool) -> None:
+        self.set_read_only(flag)
+
+    @property
+    def on_evict(self) -> Callable[[list[BlockKey]], None] | None:
+        return self.primary.on_evict
+
+    @on_evict.setter
+    def on_evict(self, fn: Callable[[list[BlockKey]], None] | None) -> None:
+        self.primary.on_evict = fn
+        self.shadow.on_evict = fn
+
+    @property
+    def bytes_used(self) -> int:
+        return int(self.primary.bytes_used) + int(self.shadow.bytes_used)
+
+    def put_many(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor] | torch.Tensor,
+                 *, session: str = "", num_tokens: int = 0) -> list[bool]:
+        if self.state is not ServingTier.SHADOW:
+            before = _io_errors(self.primary)
+            try:
+                ok = self.primary.put_many(keys, blocks, session=session, num_tokens=num_tokens)
+                fault = _io_errors(self.primary) > before
+                reason = "cold write failed on the SSD"
+            except (OSError, sqlite3.Error) as exc:
+                ok, fault = [False] * len(keys), True
+                reason = f"cold write failed on the SSD: {exc}"
+            if all(ok) or not fault:
+                return ok
+            self.activate(reason)
+            rest = [i for i, good in enumerate(ok) if not good]
+            again = self.shadow.put_many([keys[i] for i in rest], [blocks[i] for i in rest],
+                                         session=session, num_tokens=num_tokens)
+            for i, good in zip(rest, again):
+                ok[i] = good
+            return ok
+        return self.shadow.put_many(keys, blocks, session=session, num_tokens=num_tokens)
+
+    def expired(self, now: float | None = None) -> list[BlockKey]:
+        return list(dict.fromkeys(self.shadow.expired(now) + self.primary.expired(now)))
+
+    def touch(self, keys: Sequence[BlockKey], now: float | None = None) -> None:
+        self.shadow.touch(keys, now)
+        self.primary.touch(keys, now)
+
+    def entries(self) -> list[tuple[BlockKey, float, str]]:
+        seen = {e[0]: e for e in self.primary.entries()}
+        seen.update({e[0]: e for e in self.shadow.entries()})
+        return list(seen.values())
+
+    def save_refs(self, refs: dict[str, Iterable[BlockKey]]) -> None:
+        refs = {s: list(ks) for s, ks in refs.items()}
+        self.shadow.save_refs(refs)
+        try:
+            self.primary.save_refs(refs)
+        except OSError as exc:
+            log.warning("cold_save_refs_failed", error=str(exc))
+
+    def load_refs(self) -> dict[str, list[BlockKey]]:
+        out = {s: list(ks) for s, ks in self.primary.load_refs().items()}
+        for s, ks in self.shadow.load_refs().items():
+            out[s] = list(dict.fromkeys(out.get(s, []) + ks))
+        return out
 
     def shadow_bytes_used(self) -> int:
         st = self.shadow.stats()
@@ -242,7 +318,10 @@ class FailoverColdStore(ColdBackend):
 
     def close(self) -> None:
         self.shadow.close()
-        self.primary.close()
+        try:
+            self.primary.close()
+        except (OSError, sqlite3.Error) as exc:
+            log.error("cold_close_failed", directory=str(self.probe_dir), error=str(exc))
 
     # ---- probes and failback -------------------------------------------------------------
     def probe_once(self) -> bool:
@@ -293,6 +372,9 @@ class FailoverColdStore(ColdBackend):
             if self.state is ServingTier.SSD:
                 self._set(ServingTier.SHADOW, "records left in the shadow")
             self._errors_seen = _io_errors(self.primary)
+            if self._wear_read_only:
+                raise FailoverError("the SSD is read-only for wear; replace it before restoring")
+            self.primary.read_only = False  # set by an EROFS write failure
             self._set(ServingTier.RESTORING, reason)
             moved = 0
             buf = torch.empty(self.geometry.block_shape, dtype=self.geometry.dtype)
@@ -310,9 +392,10 @@ class FailoverColdStore(ColdBackend):
                         ok = self.primary.contains(b.key) or self.primary.put(
                             b.key, buf, session=b.sessions[0] if b.sessions else "",
                             num_tokens=self.geometry.block_tokens)
-                    except OSError as exc:
+                    except (OSError, sqlite3.Error) as exc:
                         ok = False
-                        self._set(ServingTier.SHADOW, f"restore failed: {exc}")
+                        if self.state is ServingTier.RESTORING:
+                            self._set(ServingTier.SHADOW, f"restore failed: {exc}")
                     if not ok:
                         if self.state is ServingTier.RESTORING:
                             self._set(ServingTier.SHADOW, "restore failed: SSD write refused")

@@ -273,7 +273,8 @@ class HealthReport:
 class HealthMonitor:
     """Acts on the SSD status file, free space and cold I/O errors; one `check()` per interval.
 
-    `cold` is the SSD cold store (`set_read_only(bool)`, `stats()["io_errors"]`); `store` the
+    `cold` is the cold store (`read_only` / `set_read_only(bool)`, `stats()` counters
+    `io_errors` and `write_failures`); `store` the
     KV store (`snapshot()`, `evict()`); `on_failure(reason)` is called when the cold tier should
     fail over (a `FailoverColdStore.activate`), `on_probe()` when the SSD looks healthy (its
     good-probe counter for failback).
@@ -297,7 +298,15 @@ class HealthMonitor:
         if self.cold is None:
             return 0
         st = self.cold.stats()
-        return int(st.get("io_errors", 0) or 0) if isinstance(st, dict) else 0
+        if not isinstance(st, dict):
+            return 0
+        return int(st.get("io_errors", 0) or 0) + int(st.get("write_failures", 0) or 0)
+
+    def _set_read_only(self, flag: bool) -> None:
+        if hasattr(self.cold, "set_read_only"):
+            self.cold.set_read_only(flag)
+        else:
+            self.cold.read_only = flag
 
     def check(self) -> HealthReport:
         m = self.cfg.maintenance
@@ -313,7 +322,7 @@ class HealthMonitor:
             status.smart and status.smart.percent_used is not None
             and status.smart.percent_used >= m.wear_readonly_percent)
         if worn != self._read_only_by_wear and self.cold is not None:
-            self.cold.set_read_only(worn)
+            self._set_read_only(worn)
             self._read_only_by_wear = worn
             if worn:
                 log.warning("cold_tier_read_only", reason="wear", percent_used=status.smart.percent_used,

@@ -1,22 +1,21 @@
 """Background scrub: verify cold records' checksums at a bounded I/O rate.
 
-Each `run()` walks the cold keys from where the previous run stopped, verifying batches with
-the cold store's `verify(keys)` (it reads every record and checks its checksum, returning the
-corrupt or unreadable keys) and sleeping between batches so that the average read rate stays at
-or below `rate_bytes_per_s`. Corrupt records are reported (ERROR log, `status()`); the cold
-store drops them itself, so the engine recomputes those tokens on their next use.
+`Scrubber.run()` asks the cold store to read and check every record (`verify`, header and
+payload checksums) with its read rate capped at `rate_bytes_per_s`, so a scrub never competes
+with foreground cold reads for more than that bandwidth. Corrupt or missing records are
+reported (the cold store logs each at ERROR; `status()` has the counts). They are not dropped
+here: the next read of such a block fails its checksum, the store marks it lost and the engine
+recomputes its tokens, so wrong KV is never served.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import structlog
-
-from kvagentd.kvcache.base import BlockKey
 
 log = structlog.get_logger(__name__)
 
@@ -24,80 +23,57 @@ log = structlog.get_logger(__name__)
 @dataclass(slots=True)
 class ScrubReport:
     checked: int = 0
+    corrupt: int = 0
+    missing: int = 0
     bytes: int = 0
-    corrupt: list[str] = field(default_factory=list)  # hex keys
     elapsed_s: float = 0.0
-    complete_pass: bool = False  # reached the end of the key list
-    stopped: bool = False
+    rate_bytes_per_s: float = 0.0
+    skipped: str = ""  # why nothing was checked (another scrub running)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class Scrubber:
-    """Rate-limited checksum verification of a cold store (`keys()`, `verify(keys)`)."""
+    """Rate-limited checksum verification of a cold store (`verify(repair, rate_bytes_per_s)`)."""
 
-    def __init__(self, cold: Any, record_bytes: int, rate_bytes_per_s: int, *, batch: int = 16,
-                 sleep: Callable[[float], None] = time.sleep,
+    def __init__(self, cold: Any, rate_bytes_per_s: int, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cold = cold
-        self.record_bytes = max(1, record_bytes)
-        self.rate = max(1, rate_bytes_per_s)
-        self.batch = max(1, batch)
-        self.sleep, self.clock = sleep, clock
-        self._cursor = 0
-        self._stop = threading.Event()
+        self.rate = max(1, int(rate_bytes_per_s))
+        self.clock = clock
         self._lock = threading.Lock()
         self.passes = 0
         self.total_checked = 0
         self.total_corrupt = 0
         self.last: ScrubReport | None = None
 
-    def stop(self) -> None:
-        self._stop.set()
-
-    def run(self, max_bytes: int | None = None) -> ScrubReport:
-        """Verify records until the end of the key list (or `max_bytes` read, or `stop()`)."""
+    def run(self, rate_bytes_per_s: float | None = None) -> ScrubReport:
+        """One full pass; a second concurrent call returns at once with `skipped` set."""
         if not self._lock.acquire(blocking=False):
-            return ScrubReport(stopped=True)
+            return ScrubReport(skipped="a scrub is already running")
         try:
-            self._stop.clear()
-            rep = ScrubReport()
-            keys = sorted(self.cold.keys())
-            if self._cursor >= len(keys):
-                self._cursor = 0
+            rate = float(rate_bytes_per_s or self.rate)
             t0 = self.clock()
-            while self._cursor < len(keys):
-                if self._stop.is_set() or (max_bytes is not None and rep.bytes >= max_bytes):
-                    rep.stopped = True
-                    break
-                part: list[BlockKey] = keys[self._cursor:self._cursor + self.batch]
-                bad = list(self.cold.verify(part))
-                self._cursor += len(part)
-                rep.checked += len(part)
-                rep.bytes += len(part) * self.record_bytes
-                for k in bad:
-                    rep.corrupt.append(k.hex())
-                    log.error("scrub_corrupt_record", key=k.hex())
-                # Pace: the bytes read so far may take no less than bytes / rate seconds.
-                ahead = rep.bytes / self.rate - (self.clock() - t0)
-                if ahead > 0:
-                    self.sleep(ahead)
-            else:
-                rep.complete_pass = True
-                self._cursor = 0
-                self.passes += 1
-            rep.elapsed_s = self.clock() - t0
+            out = self.cold.verify(repair=False, rate_bytes_per_s=rate)
+            rep = ScrubReport(int(out.get("checked", 0)), int(out.get("corrupt", 0)),
+                              int(out.get("missing", 0)), int(out.get("bytes", 0)),
+                              self.clock() - t0, rate)
+            self.passes += 1
             self.total_checked += rep.checked
-            self.total_corrupt += len(rep.corrupt)
+            self.total_corrupt += rep.corrupt + rep.missing
             self.last = rep
-            log.info("scrub_done", checked=rep.checked, corrupt=len(rep.corrupt),
-                     complete=rep.complete_pass)
+            level = log.error if rep.corrupt or rep.missing else log.info
+            level("scrub_done", checked=rep.checked, corrupt=rep.corrupt, missing=rep.missing,
+                  bytes=rep.bytes, elapsed_s=round(rep.elapsed_s, 3))
             return rep
         finally:
             self._lock.release()
 
+    def stop(self) -> None:
+        """Nothing to interrupt between records; a running pass ends on its own."""
+
     def status(self) -> dict[str, Any]:
         return {"passes": self.passes, "checked": self.total_checked,
-                "corrupt": self.total_corrupt, "rate_bytes_per_s": self.rate,
+                "bad_records": self.total_corrupt, "rate_bytes_per_s": self.rate,
                 "last": self.last.as_dict() if self.last else None}

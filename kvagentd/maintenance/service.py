@@ -87,8 +87,7 @@ class Maintenance:
             config, store=store, cold=cold,
             on_failure=self.failover.activate if self.failover else None,
             on_probe=self.failover.probe if self.failover else None)
-        rec = store.geometry.block_bytes if store is not None else 1
-        self.scrubber = Scrubber(cold, rec, int(config.maintenance.scrub_rate_bytes_per_s)) \
+        self.scrubber = Scrubber(cold, int(config.maintenance.scrub_rate_bytes_per_s)) \
             if cold is not None and hasattr(cold, "verify") else None
         self._defrag_lock = threading.Lock()
         self._per_move_s = 1e-3  # refined by every run
@@ -282,10 +281,10 @@ class Maintenance:
         out = self.failover.restore()
         return {**out, **self.failover.status()}
 
-    def scrub(self, max_bytes: int | None = None) -> dict[str, Any]:
+    def scrub(self, rate_bytes_per_s: float | None = None) -> dict[str, Any]:
         if self.scrubber is None:
             return {"note": "no cold tier"}
-        return self.scrubber.run(max_bytes).as_dict()
+        return self.scrubber.run(rate_bytes_per_s).as_dict()
 
 
 __all__ = ["Maintenance", "DefragBusy", "build_cold_tier"]
