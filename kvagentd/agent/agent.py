@@ -67,6 +67,9 @@ class AssetState:
     last_assessment: str | None = None
     last_assessment_t: float | None = None
     last_result: dict[str, Any] | None = None
+    loaded: collections.Counter = field(default_factory=collections.Counter)  # blocks by tier
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -250,7 +253,10 @@ class Agent:
         st.last_assessment_t = self.clock()
         st.last_result = {k: getattr(res, k) for k in (
             "prompt_tokens", "reused_tokens", "recomputed_tokens", "new_tokens", "ttft_s",
-            "total_s", "queue_wait_s") if hasattr(res, k)}
+            "total_s", "queue_wait_s", "loaded") if hasattr(res, k)}
+        st.loaded.update(getattr(res, "loaded", None) or {})
+        st.reused_tokens += int(res.reused_tokens)
+        st.prompt_tokens += int(res.prompt_tokens)
         return st.last_assessment, None
 
     def retire_session(self, session: str) -> None:
@@ -288,6 +294,9 @@ class Agent:
                 "skipped_ticks": st.skipped, "missed_ticks": st.missed,
                 "llm_errors": st.llm_errors, "bad_samples": dict(st.bad),
                 "bad_samples_total": sum(st.bad.values()),
+                "blocks_loaded_by_tier": dict(st.loaded),
+                "prompt_tokens_reused": round(st.reused_tokens / st.prompt_tokens, 4)
+                if st.prompt_tokens else None,
             }
         return {"enabled": self.config.enabled, "running": self._running,
                 "tick_interval_s": self.config.tick_interval_s, "assets": out,
