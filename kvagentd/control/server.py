@@ -38,8 +38,8 @@ import structlog
 from kvagentd import __version__
 from kvagentd.config import ControlConfig
 from kvagentd.control.authz import AccessPolicy, peer_of
-from kvagentd.control.errors import (ApiError, BadRequest, LengthRequired, NotReady, TooLarge,
-                                     for_status, to_api_error)
+from kvagentd.control.errors import (ApiError, BadRequest, LengthRequired, NotReady,
+                                     RequestTimeout, TooLarge, for_status, to_api_error)
 from kvagentd.control.router import (JSON_TYPE, NDJSON_TYPE, SSE_TYPE, TEXT_TYPE, Request,
                                      Response, Route, Router, is_stream)
 
@@ -50,6 +50,10 @@ _MAX_LINE = 65536
 
 class ControlSocketInUse(OSError):
     """Another process is already listening on the configured control socket."""
+
+
+class _PeerGone(Exception):
+    """The client disconnected while its request was being read."""
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -157,6 +161,9 @@ class ControlHandler(BaseHTTPRequestHandler):
             req, route = self._read_request()
             route_name = route.pattern
             result = route.handler(req)
+        except _PeerGone:
+            self.close_connection = True
+            return
         except Exception as exc:  # every failure maps to one JSON error (errors.to_api_error)
             err = to_api_error(exc)
             if not isinstance(exc, ApiError):
@@ -174,6 +181,9 @@ class ControlHandler(BaseHTTPRequestHandler):
         if self.ctl.stopping:
             self.close_connection = True
             raise NotReady("kvagentd is shutting down")
+        if getattr(self.headers, "defects", None):
+            self.close_connection = True
+            raise BadRequest(f"malformed header block: {self.headers.defects[0]!r}")
         target = self.path
         if not target.startswith("/"):
             parts = urlsplit(target)  # absolute-form, e.g. http://localhost/v1/status
@@ -209,7 +219,14 @@ class ControlHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise TooLarge(self._too_large_text(length))
         self.deadline = time.monotonic() + self.ctl.cfg.read_timeout_s
-        body = self.rfile.read(length) if length else b""
+        try:
+            body = self.rfile.read(length) if length else b""
+        except TimeoutError:
+            self.close_connection = True
+            raise RequestTimeout(f"request body not received within control.read_timeout_s "
+                                 f"({self.ctl.cfg.read_timeout_s} s)") from None
+        except OSError as exc:
+            raise _PeerGone(str(exc)) from None
         if len(body) != length:
             self.close_connection = True
             raise BadRequest("request body shorter than Content-Length")

@@ -1,0 +1,158 @@
+"""Authorization from SO_PEERCRED: a child process drops to another uid/gid and connects."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvagentd.control.authz import AccessPolicy
+from kvagentd.control.errors import Forbidden
+from kvagentd.control.router import Peer
+from tests.control.conftest import Harness, make_config, read_all, start_harness
+
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
+
+
+def _two_groups() -> tuple[grp.struct_group, grp.struct_group]:
+    groups = [g for g in grp.getgrall() if g.gr_gid not in (0, NOBODY)]
+    if len(groups) < 2:
+        pytest.skip("needs two non-root groups in /etc/group")
+    return groups[0], groups[1]
+
+
+def _request_as(path: Path, method: str, target: str, *, uid: int, gid: int,
+                groups: list[int]) -> tuple[int, dict]:
+    """Fork; the child drops privileges, connects, sends one request; returns status, body."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)
+            try:
+                s.connect(str(path))
+            except PermissionError:
+                os.write(w, b"EACCES")
+                os._exit(0)
+            s.sendall(f"{method} {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+                      "Connection: close\r\n\r\n".encode())
+            os.write(w, read_all(s))
+        except BaseException:  # report through the exit status; never return into pytest
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 65536):
+        chunks.append(chunk)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    raw = b"".join(chunks)
+    if raw == b"EACCES":
+        return -1, {}
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+@pytest.fixture
+def open_harness(short_dir: Path):
+    """Socket and directory world-accessible, so that only the route authorization decides."""
+    reader, operator = _two_groups()
+    cfg = make_config(short_dir, socket_mode=0o666, socket_group=reader.gr_name,
+                      operator_group=operator.gr_name)
+    (short_dir / "run").mkdir(mode=0o755)
+    os.chmod(short_dir, 0o755)
+    h = start_harness(cfg)
+    yield h, reader.gr_gid, operator.gr_gid
+    h.server.stop(1.0)
+
+
+def test_stranger_gets_403_naming_who_may(open_harness) -> None:
+    h, reader, operator = open_harness
+    status, body = _request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY, groups=[])
+    assert status == 403 and body["error"]["kind"] == "forbidden"
+    msg = body["error"]["message"]
+    assert "uid 65534" in msg and "root" in msg
+    assert grp.getgrgid(reader).gr_name in msg
+    status, body = _request_as(h.path, "POST", "/v1/shutdown", uid=NOBODY, gid=NOBODY, groups=[])
+    assert status == 403
+    assert grp.getgrgid(operator).gr_name in body["error"]["message"]
+    assert h.daemon.shutdown_requests == []
+    assert h.alive()
+
+
+def test_socket_group_member_may_read_but_not_change(open_harness) -> None:
+    h, reader, operator = open_harness
+    status, body = _request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY,
+                               groups=[reader])
+    assert status == 200 and body["version"] == "test"
+    status, body = _request_as(h.path, "POST", "/test/change", uid=NOBODY, gid=NOBODY,
+                               groups=[reader])
+    assert status == 403 and "changes daemon state" in body["error"]["message"]
+
+
+def test_primary_gid_counts_as_membership(open_harness) -> None:
+    h, reader, _ = open_harness
+    status, _ = _request_as(h.path, "GET", "/v1/livez", uid=NOBODY, gid=reader, groups=[])
+    assert status == 200
+
+
+def test_operator_may_change_and_read(open_harness) -> None:
+    h, _, operator = open_harness
+    status, body = _request_as(h.path, "POST", "/v1/shutdown", uid=NOBODY, gid=NOBODY,
+                               groups=[operator])
+    assert status == 200 and body == {"stopping": True}
+    assert h.daemon.shutdown_requests and "uid 65534" in h.daemon.shutdown_requests[0]
+    status, _ = _request_as(h.path, "GET", "/v1/config", uid=NOBODY, gid=NOBODY,
+                            groups=[operator])
+    assert status == 200
+
+
+def test_default_permissions_keep_strangers_off_the_socket(short_dir: Path) -> None:
+    os.chmod(short_dir, 0o755)
+    h = start_harness(make_config(short_dir))  # socket 0660, directory 0750, root-owned
+    try:
+        status, _ = _request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY, groups=[])
+        assert status == -1  # EACCES at connect(): the file system already says no
+    finally:
+        h.server.stop(1.0)
+
+
+def test_policy_rules_without_sockets() -> None:
+    policy = AccessPolicy(daemon_uid=998, read_gid=998, read_group="kvagent", operator_gid=999,
+                          operator_group="kvagent-operators")
+    root, daemon = Peer(1, 0, 0), Peer(1, 998, 998)
+    reader, operator = Peer(1, 1000, 1000, frozenset({998})), Peer(1, 1001, 1001, frozenset({999}))
+    stranger = Peer(1, 1002, 1002)
+    for p in (root, daemon, reader, operator):
+        assert policy.may_read(p)
+    assert not policy.may_read(stranger)
+    assert [policy.may_change(p) for p in (root, daemon, reader, operator, stranger)] == [
+        True, True, False, True, False]
+    with pytest.raises(Forbidden, match="kvagent-operators"):
+        policy.check(reader, "POST", "/v1/defrag", change=True)
+    no_ops = AccessPolicy(998, 998, "kvagent", None, "")
+    assert not no_ops.may_change(operator)
+
+
+def test_policy_from_config_with_missing_groups_allows_only_root_and_daemon() -> None:
+    policy = AccessPolicy.from_config("no-such-group-kv", "no-such-group-ops", daemon_uid=998,
+                                      daemon_gid=998)
+    assert policy.read_gid is None and policy.operator_gid is None
+    assert policy.may_change(Peer(1, 998, 998)) and policy.may_read(Peer(1, 0, 0))
+    assert not policy.may_read(Peer(1, 1000, 998))
+    own = AccessPolicy.from_config("", "", daemon_uid=998, daemon_gid=4242)
+    assert own.read_gid == 4242 and own.may_read(Peer(1, 1000, 4242))
