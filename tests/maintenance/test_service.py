@@ -1,0 +1,185 @@
+"""The maintenance service on a real scheduler, its control routes and kvctl commands."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import typer
+from apscheduler.schedulers.background import BackgroundScheduler
+from typer.testing import CliRunner
+
+from kvagentd.config import Config, load_config
+from kvagentd.control.handlers import maintenance as handlers
+from kvagentd.control.router import Router
+from kvagentd.control.server import ControlServer
+from kvagentd.kvcache.base import Tier
+from kvagentd.kvcache.store import TieredKVStore
+from kvagentd.maintenance import health
+from kvagentd.maintenance.failover import ServingTier
+from kvagentd.maintenance.service import JOB_IDS, Maintenance, build_cold_tier
+from kvctl import cmd_maintenance
+
+from .conftest import GEOM, NS, block, key
+from .test_defrag import assert_data, fragment
+from .test_tune import make_tree
+
+
+@pytest.fixture
+def env():
+    d = Path(tempfile.mkdtemp(prefix="kvm", dir="/tmp"))  # short: AF_UNIX path limit
+    cold = d / "cold"
+    cold.mkdir()
+    mcfg = make_tree(d / "fake", cold, nr=16)
+    base = load_config(None, env={})
+    cfg = dataclasses.replace(
+        base,
+        kv=dataclasses.replace(base.kv, cold_dir=cold, cold_capacity_bytes=64 << 20,
+                               segment_bytes=1 << 20, io_unit_bytes=64 << 10),
+        maintenance=dataclasses.replace(
+            base.maintenance, sysfs_root=mcfg.sysfs_root, proc_root=mcfg.proc_root,
+            systemd_dir=mcfg.systemd_dir, shadow_dir=d / "shm", shadow_bytes=4 << 20,
+            health_status_file=d / "ssd-health.json", failback_good_probes=2,
+            free_space_floor_bytes=0, health_interval_s=3600.0),
+        control=dataclasses.replace(base.control, socket=d / "run" / "k.sock", socket_group="",
+                                    operator_group=""))
+    cold_tier = build_cold_tier(cfg, GEOM, NS)
+    store = TieredKVStore(GEOM, NS, hot_bytes=128 * GEOM.block_bytes,
+                          warm_bytes=64 * GEOM.block_bytes, cold=cold_tier)
+    sched = BackgroundScheduler()
+    sched.start()
+    m = Maintenance(cfg, store, cold_tier, sched)
+    yield cfg, store, cold_tier, sched, m
+    m.stop()
+    sched.shutdown(wait=False)
+    store.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_start_schedules_jobs_and_stop_removes_them(env):
+    cfg, store, cold, sched, m = env
+    m.start()
+    assert {j.id for j in sched.get_jobs()} == set(JOB_IDS)
+    new = dataclasses.replace(cfg, maintenance=dataclasses.replace(cfg.maintenance,
+                                                                   defrag_interval_s=60.0))
+    m.reload(new)
+    assert sched.get_job("maintenance.defrag").trigger.interval.total_seconds() == 60.0
+    st = m.status()
+    json.dumps(st)  # JSON-ready
+    assert st["failover"]["serving"] == "ssd" and st["health"]["state"] == "unknown"
+    m.stop()
+    assert not sched.get_jobs()
+
+
+def test_health_status_failed_fails_over_and_probes_fail_back(env):
+    cfg, store, cold, sched, m = env
+    assert cold.put(key(1), block(1))
+    s = health.SmartData("nvme-cli", 10, 5, health.CW_READ_ONLY, 100, 10)
+    health.write_status(cfg.maintenance.health_status_file,
+                        health.HealthStatus(health.HealthState.FAILED, 0.0, "/dev/x", s, ("ro",)))
+    m._health_job()
+    assert cold.serving is ServingTier.SHADOW
+    assert cold.put(key(2), block(2)) and cold.shadow.contains(key(2))
+    s = health.SmartData("nvme-cli", 10, 5, 0, 100, 10)
+    health.write_status(cfg.maintenance.health_status_file,
+                        health.HealthStatus(health.HealthState.OK, 0.0, "/dev/x", s, ()))
+    m._health_job()
+    assert cold.serving is ServingTier.SHADOW  # one good probe of two
+    m._health_job()
+    assert cold.serving is ServingTier.SSD and cold.shadow.keys() == []
+    assert cold.primary.contains(key(2))
+
+
+def test_wear_makes_the_cold_tier_read_only(env):
+    cfg, store, cold, sched, m = env
+    s = health.SmartData("nvme-cli", 91, 0, 0, 100, 10)
+    health.write_status(cfg.maintenance.health_status_file,
+                        health.HealthStatus(health.HealthState.WORN, 0.0, "/dev/x", s, ("wear",)))
+    rep = m.health.check()
+    assert rep.cold_read_only and cold.primary.read_only
+    assert cold.put(key(3), block(3)) is False and cold.serving is ServingTier.SSD
+
+
+def serve(cfg: Config, m: Maintenance) -> ControlServer:
+    class D:
+        maintenance = m
+
+    router = Router()
+    handlers.register(router, D())
+    server = ControlServer(cfg.control, router)
+    server.start()
+    return server
+
+
+def kvctl(cfg: Config, *args: str):
+    app = typer.Typer()
+    cmd_maintenance.register(app)
+    return CliRunner().invoke(app, [*args[:1], *args[1:], "--socket", str(cfg.control.socket)]
+                              if args[0] != "failover" else
+                              [args[0], args[1], "--socket", str(cfg.control.socket), *args[2:]])
+
+
+def jout(r) -> dict:
+    """The JSON document in kvctl's output (log lines of the in-process server may surround it)."""
+    lines = r.output.splitlines()
+    return json.loads("\n".join(lines[lines.index("{"):len(lines) - lines[::-1].index("}")]))
+
+
+def test_control_routes_and_kvctl(env, monkeypatch):
+    cfg, store, cold, sched, m = env
+    sessions = fragment(store)
+    server = serve(cfg, m)
+    try:
+        r = kvctl(cfg, "defrag", "--tier", "hot", "--dry-run")
+        assert r.exit_code == 0, r.output
+        assert "planned" in r.output and "moves:" in r.output
+        assert m.measure(Tier.HOT).ratio > 0.5
+        r = kvctl(cfg, "defrag", "--tier", "hot", "--json")
+        assert r.exit_code == 0, r.output
+        res = jout(r)["results"][0]
+        assert res["after"]["ratio"] == 0.0 and res["moved"] > 0
+        assert_data(store, sessions)
+        r = kvctl(cfg, "defrag", "--tier", "all")
+        assert r.exit_code == 0 and "cold" in r.output
+        r = kvctl(cfg, "defrag", "--tier", "nope")
+        assert r.exit_code == 64
+        r = kvctl(cfg, "tune")
+        assert r.exit_code == 0 and "nr_requests" in r.output and ">= 64" in r.output
+        row = next(ln for ln in r.output.splitlines() if ln.startswith("nr_requests"))
+        assert row.split()[1] == "16" and row.split()[-1] == "no"
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
+        r = kvctl(cfg, "tune", "--apply")
+        assert r.exit_code == 77 and "root" in r.output
+        r = kvctl(cfg, "failover", "status")
+        assert r.exit_code == 0 and "served by: ssd" in r.output
+        r = kvctl(cfg, "failover", "activate", "--reason", "swap drill")
+        assert r.exit_code == 0 and "served by: shadow" in r.output
+        assert cold.put(key(9), block(9)) and cold.shadow.contains(key(9))
+        r = kvctl(cfg, "failover", "status", "--json")
+        st = jout(r)
+        assert st["serving"] == "shadow" and st["reason"] == "swap drill" and st["shadow_blocks"] == 1
+        r = kvctl(cfg, "failover", "restore")
+        assert r.exit_code == 0 and "restored 1 blocks" in r.output and "served by: ssd" in r.output
+    finally:
+        server.stop(1.0)
+
+
+def test_debug_section_wraps_the_ssd_io(env, tmp_path):
+    cfg, store, cold, sched, m = env
+    assert type(cold.primary.io).__name__ == "FileIO"  # off by default
+    dbg = dataclasses.replace(cfg.debug, fault_write_eio_rate=1.0, fault_seed=3)
+    c2 = dataclasses.replace(cfg, debug=dbg,
+                             kv=dataclasses.replace(cfg.kv, cold_dir=tmp_path / "c2"),
+                             maintenance=dataclasses.replace(cfg.maintenance,
+                                                             shadow_dir=tmp_path / "s2"))
+    tier = build_cold_tier(c2, GEOM, NS)
+    try:
+        assert type(tier.primary.io).__name__ == "FaultyFileIO"
+        assert tier.put(key(1), block(1)) and tier.serving is ServingTier.SHADOW
+    finally:
+        tier.close()
