@@ -98,6 +98,8 @@ class _ScaledCodec(Codec):
     def encode(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
         n = blocks.shape[0]
         q, ks, vs = self._views(out)
+        if blocks.dtype != torch.float32:
+            blocks = blocks.float()
         w = self._workspace(n)
         torch.abs(blocks, out=w)
         torch.amax(w[:, :, 0], dim=3, keepdim=True, out=ks)

@@ -719,6 +719,7 @@ class ColdStore(ColdBackend):
             segs = dict(self._db.execute("SELECT state, COUNT(*) FROM segments GROUP BY state").fetchall())
             disk, = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM segments").fetchone()
             return {"directory": str(self.directory), "blocks": n, "bytes_used": self._bytes_used,
+                    "live_bytes": self._bytes_used, "dead_bytes": max(0, disk - self._bytes_used),
                     "disk_bytes": disk, "capacity_bytes": self.capacity_bytes,
                     "codec": self.codec_name, "read_only": self._read_only,
                     "o_direct": self.o_direct_active, "segments": segs, **self.counters}

@@ -100,6 +100,10 @@ class BlockPool:
     def is_used(self, slot: int) -> bool:
         return bool(self._used[slot])
 
+    def occupancy(self) -> np.ndarray:
+        """A copy of the used-slot bitmap."""
+        return self._used.copy()
+
     # -- data ------------------------------------------------------------------------------
     def move(self, src: int, dst: int) -> None:
         """Copy slot `src` into free slot `dst`, then free `src` (the defrag primitive)."""

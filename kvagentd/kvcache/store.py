@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import structlog
 import torch
 
@@ -48,6 +49,8 @@ class TieredKVStore(KVStore):
                  cold: ColdBackend | None = None, device: str | torch.device = "cpu",
                  access_listener: AccessListener | None = None, persist_on_shutdown: bool = True,
                  prefetch_queue: int = 64) -> None:
+        if cold is not None and getattr(cold, "namespace", namespace) != namespace:
+            raise ValueError("the cold store was opened for another namespace")
         self.geometry = geometry
         self.namespace = namespace
         self.device = torch.device(device)
@@ -468,6 +471,24 @@ class TieredKVStore(KVStore):
                 n += 1
             self.counters["relocated"] += n
         return n
+
+    def occupancy(self, tier: Tier) -> np.ndarray:
+        """Used-slot bitmap of the hot or warm pool (a copy), for defrag planning."""
+        with self._cond:
+            return self._pools[tier].occupancy()
+
+    def busy_slots(self, tier: Tier) -> list[int]:
+        """Used slots that `relocate` would skip now: in use, private or mid-migration."""
+        with self._cond:
+            owners = self._owners[tier]
+            busy = [s for s, k in owners.items()
+                    if self._meta[k].users or self._meta[k].state is BlockState.MIGRATING]
+            for m in self._meta.values():
+                if m.state is BlockState.MIGRATING and m.dst_tier is tier and m.dst_slot is not None:
+                    busy.append(m.dst_slot)
+            if tier is Tier.HOT:
+                busy.extend(s for v in self._private.values() for s in v)
+            return sorted(busy)
 
     # -- views -------------------------------------------------------------------------------
     def snapshot(self) -> list[BlockInfo]:

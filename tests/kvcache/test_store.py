@@ -1,0 +1,242 @@
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+from kvagentd.kvcache.base import Tier
+from kvagentd.kvcache.coldstore import ALIGN
+from kvagentd.kvcache.fileio import FileIO
+from kvagentd.kvcache.keys import make_namespace
+from kvagentd.kvcache.state import BlockState
+
+from .conftest import compute_blocks, fill_value
+
+SYSTEM = list(range(1000, 1008))  # two full blocks shared by every session
+
+
+def _values(store, slots):
+    return [store.hot_arena()[s].flatten()[0].item() for s in slots]
+
+
+def _check_resident(store, keys, session):
+    r = store.ensure_resident(keys, session)
+    assert r.missing_from is None, r
+    assert _values(store, r.slots) == [fill_value(k) for k in keys]
+    store.check_integrity()
+    return r
+
+
+def test_shared_prefix_stored_once(make_store):
+    st = make_store()
+    a = SYSTEM + [1, 2, 3, 4]
+    b = SYSTEM + [5, 6, 7, 8]
+    compute_blocks(st, "a", a, 0, 3)
+    st.release("a")
+    m = st.match_prefix(b + [9])
+    assert m.num_tokens == 8 and m.keys == st.block_keys(SYSTEM)
+    r = _check_resident(st, m.keys, "b")
+    assert r.loaded == {"hot": 2, "warm": 0, "cold": 0}
+    compute_blocks(st, "b", b, 2, 1)
+    st.release("b")
+    assert st.stats()["blocks"] == 4
+    # a session that recomputes the same prefix gets deduplicated
+    compute_blocks(st, "c", SYSTEM, 0, 2)
+    st.release("c")
+    assert st.stats()["blocks"] == 4 and st.stats()["dedup"] == 2
+    assert st.session_blocks()["c"]["hot"] == 2
+    st.check_integrity()
+    st.drop_session("a", st.block_keys(a))
+    assert st.stats()["blocks"] == 3  # a's private block freed; SYSTEM kept for b and c
+    st.drop_session("b", st.block_keys(b))
+    st.drop_session("c", st.block_keys(SYSTEM))
+    assert st.stats()["blocks"] == 0
+    st.check_integrity()
+
+
+def test_drop_frees_unreferenced_tail(make_store):
+    st = make_store()
+    a = SYSTEM + [1, 2, 3, 4]
+    compute_blocks(st, "a", a, 0, 3)
+    st.release("a")
+    _check_resident(st, st.block_keys(SYSTEM), "b")
+    st.release("b")
+    st.drop_session("a", st.block_keys(a))
+    assert st.match_prefix(a).num_tokens == 8
+    assert st.pool(Tier.HOT).num_used == 2
+
+
+def test_hot_full_demotes_lru_and_values_survive_every_tier(make_store):
+    st = make_store(hot=4, warm=2)
+    toks = list(range(40))  # 10 blocks
+    for i in range(0, 10, 2):
+        assert compute_blocks(st, "s", toks, i, 2) is not None
+        st.release("s")
+        st.check_integrity()
+    states = st.stats()["states"]
+    assert states == {"hot": 4, "warm": 2, "cold": 4}
+    keys = st.match_prefix(toks).keys
+    assert len(keys) == 10
+    r = _check_resident(st, keys[:4], "t")  # the oldest, now cold
+    assert r.loaded["cold"] == 4
+    st.release("t")
+    assert st.demote(keys[:2], Tier.COLD) == 2
+    assert st.promote(keys[:2], Tier.WARM) == 0  # warm is full: a status, nothing moves
+    warm = [b.key for b in st.snapshot() if b.tier is Tier.WARM]
+    assert st.demote(warm, Tier.COLD) == 2
+    assert st.promote(keys[:2], Tier.WARM) == 2
+    st.check_integrity()
+    _check_resident(st, keys[:4], "t")
+
+
+def test_allocate_hot_returns_none_when_nothing_can_move(make_store):
+    st = make_store(hot=2, warm=0, cold=False)
+    assert st.allocate_hot(2, "a") is not None
+    assert st.allocate_hot(1, "b") is None
+    st.release("a")
+    assert st.allocate_hot(2, "b") is not None
+
+
+def test_pinned_and_in_use_blocks_stay(make_store):
+    st = make_store(hot=2, warm=4)
+    toks = list(range(8))
+    keys = compute_blocks(st, "a", toks, 0, 2)
+    assert st.demote(keys, Tier.WARM) == 0  # in use
+    st.release("a")
+    st.pin(keys[:1])
+    assert st.demote(keys, Tier.WARM) == 1
+    assert st.evict(keys) == 1 and st.match_prefix(toks).num_tokens == 4
+    st.unpin(keys[:1])
+    assert st.evict(keys) == 1 and st.stats()["blocks"] == 0
+    st.check_integrity()
+
+
+def test_restart_keeps_sessions_blocks_findable(make_store, make_cold):
+    st = make_store(hot=4, warm=4)
+    a = SYSTEM + [1, 2, 3, 4]
+    compute_blocks(st, "a", a, 0, 3)
+    st.release("a")
+    st.demote(st.block_keys(a)[:1], Tier.WARM)
+    st.close()  # hot and warm blocks are written to cold
+    st2 = make_store(hot=4, warm=4)
+    m = st2.match_prefix(a)
+    assert m.num_tokens == 12
+    assert st2.session_blocks() == {"a": {"hot": 0, "warm": 0, "cold": 3, "other": 0}}
+    _check_resident(st2, m.keys, "a")
+    st2.close()
+
+
+def test_other_namespace_matches_nothing(make_store, make_cold, geometry):
+    st = make_store()
+    compute_blocks(st, "a", SYSTEM, 0, 2)
+    st.release("a")
+    st.close()
+    other = make_namespace("other-model", geometry.dtype, geometry.block_tokens)
+    st2 = make_store(namespace=other, cold=make_cold(namespace=other))  # same directory, other model
+    assert st2.match_prefix(SYSTEM).num_tokens == 0 and st2.stats()["blocks"] == 0
+
+
+def test_corrupt_cold_block_is_lost_not_served(make_store, tmp_path):
+    st = make_store(hot=4, warm=4)
+    toks = list(range(12))
+    keys = compute_blocks(st, "a", toks, 0, 3)
+    st.release("a")
+    assert st.demote(keys, Tier.COLD) == 3
+    seg = sorted((tmp_path / "cold").glob("seg-*.kvs"))[0]
+    rec = os.path.getsize(seg) // 3
+    with open(seg, "r+b") as f:
+        f.seek(rec + ALIGN + 8)
+        f.write(b"\xff\xff")
+    r = st.ensure_resident(keys, "b")
+    assert r.missing_from == 1 and len(r.slots) == 1
+    assert _values(st, r.slots) == [fill_value(keys[0])]
+    stats = st.stats()
+    assert stats["lost"] == 1 and stats["states"].get("lost") == 1
+    assert stats["tiers"]["cold"]["corrupt"] == 1
+    assert st.match_prefix(toks).num_tokens == 4
+    st.check_integrity()
+    st.release("b")
+    # the engine recomputes from the missing block on; the new copy replaces the lost one
+    compute_blocks(st, "b", toks, 1, 2)
+    st.release("b")
+    assert st.match_prefix(toks).num_tokens == 12
+    _check_resident(st, keys, "c")
+
+
+class _SlowReads(FileIO):
+    def __init__(self):
+        self.delay = 0.0
+
+    def preadv(self, fd, buffers, offset):
+        time.sleep(self.delay)
+        return super().preadv(fd, buffers, offset)
+
+
+def test_readers_wait_for_a_migrating_block(make_store, make_cold):
+    fio = _SlowReads()
+    st = make_store(hot=8, warm=0, cold=make_cold(file_io=fio))
+    toks = list(range(8))
+    keys = compute_blocks(st, "a", toks, 0, 2)
+    st.release("a")
+    st.demote(keys, Tier.COLD)
+    fio.delay = 0.3
+    results = {}
+
+    def reader(name):
+        results[name] = st.ensure_resident(keys, name)
+
+    threads = [threading.Thread(target=reader, args=(n,)) for n in ("r1", "r2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    for name, r in results.items():
+        assert r.missing_from is None
+        assert _values(st, r.slots) == [fill_value(k) for k in keys]
+    assert results["r1"].slots == results["r2"].slots
+    assert st.stats()["loaded_cold"] == 2
+    st.check_integrity()
+
+
+def test_relocate_moves_idle_blocks_only(make_store):
+    st = make_store(hot=6)
+    keys = compute_blocks(st, "a", list(range(16)), 0, 4)
+    st.release("a")
+    st.evict(keys[:2])
+    held = st.ensure_resident(keys[3:], "b")
+    assert st.relocate(Tier.HOT, [(2, 0), (held.slots[0], 1)]) == 1
+    assert 3 in st.busy_slots(Tier.HOT)
+    st.release("b")
+    assert st.occupancy(Tier.HOT).tolist() == [True, False, False, True, False, False]
+    _check_resident(st, keys[2:], "c")
+
+
+def test_access_listener_and_background_promote(make_store):
+    seen = []
+    st = make_store(hot=4, warm=4, access_listener=lambda ks, s: seen.append((len(ks), s)))
+    keys = compute_blocks(st, "a", list(range(8)), 0, 2)
+    st.record_access(keys, "a")
+    assert seen == [(2, "a")]
+    st.release("a")
+    st.demote(keys, Tier.COLD)
+    assert st.promote(keys, Tier.WARM, background=True) == 2
+    deadline = time.time() + 10
+    while st.stats()["states"].get("warm", 0) < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    assert st.stats()["states"] == {"warm": 2}
+    st.check_integrity()
+    st.close()
+
+
+def test_block_state_of_snapshot(make_store):
+    st = make_store()
+    keys = compute_blocks(st, "a", list(range(8)), 0, 2)
+    snap = {b.key: b for b in st.snapshot()}
+    assert snap[keys[0]].tier is Tier.HOT and snap[keys[0]].in_use and snap[keys[0]].sessions == ("a",)
+    st.release("a")
+    st.demote(keys[:1], Tier.COLD)
+    snap = {b.key: b for b in st.snapshot()}
+    assert snap[keys[0]].tier is Tier.COLD and not snap[keys[0]].in_use
+    assert st._meta[keys[0]].state is BlockState.COLD
