@@ -90,7 +90,8 @@ class Maintenance:
         self.scrubber = Scrubber(cold, int(config.maintenance.scrub_rate_bytes_per_s)) \
             if cold is not None and hasattr(cold, "verify") else None
         self._defrag_lock = threading.Lock()
-        self._per_move_s = 1e-3  # refined by every run
+        # Seconds per block move: a pessimistic 1 GB/s copy until a run has measured it.
+        self._per_move_s = (store.geometry.block_bytes / 1e9) if store is not None else 1e-3
         self.defrag_runs = 0
         self.defrag_skipped_busy = 0
         self.last_defrag: list[dict[str, Any]] = []
@@ -237,7 +238,9 @@ class Maintenance:
         res = dfr.apply_plan(self.store, t, plan,
                              max_pause_s=self.config.maintenance.defrag_max_pause_s,
                              progress=(lambda d, n: progress(tier, d, n)) if progress else None,
-                             should_continue=should_continue)
+                             should_continue=should_continue,
+                             first_chunk=max(1, int(0.5 * self.config.maintenance.defrag_max_pause_s
+                                                    / self._per_move_s)))
         if pool.device.type == "cuda":
             torch.cuda.empty_cache()
         if res.moved:
