@@ -1,0 +1,152 @@
+"""The daemon drives services through start/stop/status/health/reload; absent ones are None."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvagentd.config import load_config
+from kvagentd.daemon import SERVICE_ORDER, Daemon
+from kvagentd.systemd import Notifier
+
+
+class FakeService:
+    def __init__(self, name: str, journal: list[str], *, fail_status: bool = False,
+                 health: str | None = None, fail_stop: bool = False) -> None:
+        self.name, self.journal = name, journal
+        self.fail_status, self.health_value, self.fail_stop = fail_status, health, fail_stop
+        self.reloaded: list[Any] = []
+        if health is not None:
+            self.health = lambda: {"status": self.health_value, "detail": f"{name} says so"}
+
+    def start(self) -> None:
+        self.journal.append(f"start {self.name}")
+
+    def stop(self) -> None:
+        self.journal.append(f"stop {self.name}")
+        if self.fail_stop:
+            raise RuntimeError("flush failed")
+
+    def status(self) -> dict[str, Any]:
+        if self.fail_status:
+            raise RuntimeError("status exploded")
+        return {"blocks": 3}
+
+    def reload(self, config: Any) -> None:
+        self.reloaded.append(config)
+
+
+def _daemon(d: Path, toml: str = "") -> Daemon:
+    path = d / "c.toml"
+    path.write_text(f"""
+[daemon]
+state_dir = "{d}/state"
+cache_dir = "{d}/cache"
+[control]
+socket = "{d}/run/k.sock"
+socket_group = ""
+operator_group = ""
+{toml}
+""")
+    return Daemon(load_config(path, env={}), path, notifier=Notifier(env={}))
+
+
+@pytest.fixture
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import tempfile
+    return Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
+
+
+def test_services_start_in_order_and_stop_in_reverse(tmp: Path) -> None:
+    journal: list[str] = []
+    d = _daemon(tmp)
+    d.store = FakeService("store", journal)
+    d.engine = FakeService("engine", journal, fail_stop=True)
+    d.agent = FakeService("agent", journal)
+    d.startup()
+    assert d.ready
+    d.shutdown()
+    assert journal == ["start store", "start engine", "start agent",
+                       "stop agent", "stop engine", "stop store"]  # a failing stop continues
+    assert d.phase == "stopped"
+    assert SERVICE_ORDER.index("store") < SERVICE_ORDER.index("engine") < SERVICE_ORDER.index(
+        "agent")
+
+
+def test_status_and_health_merge_present_services_only(tmp: Path) -> None:
+    journal: list[str] = []
+    d = _daemon(tmp)
+    d.store = FakeService("store", journal, health="ok")
+    d.maintenance = FakeService("maintenance", journal, fail_status=True, health="degraded")
+    d.startup()
+    try:
+        s = d.status()
+        assert s["store"] == {"blocks": 3}
+        assert s["maintenance"]["error"].startswith("RuntimeError")
+        assert "engine" not in s and "agent" not in s
+        assert s["services"] == ["store", "maintenance"]
+        h = d.health()
+        assert h["status"] == "degraded"
+        assert {"name": "maintenance", "status": "degraded",
+                "detail": "maintenance says so"} in h["checks"]
+    finally:
+        d.shutdown()
+
+
+def test_reload_applies_reloadable_fields_and_hands_config_to_services(tmp: Path) -> None:
+    journal: list[str] = []
+    d = _daemon(tmp, "[agent]\ntick_interval_s = 3.0\n")
+    d.agent = FakeService("agent", journal)
+    d.startup()
+    try:
+        assert d.config_path is not None
+        text = d.config_path.read_text().replace("tick_interval_s = 3.0", "tick_interval_s = 5.0")
+        d.config_path.write_text(text + "\n[kv]\nblock_tokens = 32\n")
+        result = d.reload()
+        assert result["applied"] == {"agent.tick_interval_s": [3.0, 5.0]}
+        assert result["restart_required"] == ["kv.block_tokens"]
+        assert d.config.agent.tick_interval_s == 5.0
+        assert d.config.kv.block_tokens == 16  # not applied live
+        assert d.agent.reloaded[-1].agent.tick_interval_s == 5.0
+        d.config_path.write_text("[kv]\nhot_bytes = -1\n")
+        bad = d.reload()
+        assert "kv.hot_bytes" in bad["error"] and d.config.agent.tick_interval_s == 5.0
+    finally:
+        d.shutdown()
+
+
+def test_startup_failure_stops_started_services(tmp: Path) -> None:
+    journal: list[str] = []
+    d = _daemon(tmp)
+    d.store = FakeService("store", journal)
+
+    class Broken(FakeService):
+        def start(self) -> None:
+            raise RuntimeError("model file is corrupt")
+
+    d.engine = Broken("engine", journal)
+    assert d.run() == 70
+    assert journal == ["start store", "stop store"]
+    assert not Path(d.config.control.socket).exists()
+
+
+def test_phase_transitions_are_checked(tmp: Path) -> None:
+    from kvagentd.daemon import Phase
+    d = _daemon(tmp)
+    with pytest.raises(RuntimeError, match="illegal daemon phase change"):
+        d._set_phase(Phase.STOPPED)
+    d._set_phase(Phase.STOPPING)
+    with pytest.raises(RuntimeError):
+        d._set_phase(Phase.RUNNING)
+
+
+def test_with_field_replaces_one_nested_leaf() -> None:
+    from kvagentd.daemon import _with_field
+    a = load_config(None, env={})
+    b = dataclasses.replace(a, daemon=dataclasses.replace(a.daemon, log_level="debug",
+                                                          drain_timeout_s=1.0))
+    merged = _with_field(a, ["daemon", "log_level"], b)
+    assert merged.daemon.log_level == "debug" and merged.daemon.drain_timeout_s == 10.0
