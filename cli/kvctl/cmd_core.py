@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from kvctl import render
-from kvctl.common import (EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, opts)
+from kvctl.common import EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, opts, usage_error
 
 # Keys of /v1/status that the daemon itself fills; every other dict-valued key is a service.
 _CORE_KEYS = {"version", "pid", "phase", "ready", "started_at", "uptime_s", "config_path",
@@ -50,7 +50,6 @@ def config_show(ctx: typer.Context,
     cfg = reply["config"]
     if section is not None:
         if section not in cfg:
-            from kvctl.common import usage_error
             usage_error(o, f"no config section {section!r}; sections: {', '.join(cfg)}")
         reply = {**reply, "config": {section: cfg[section]}}
     render.emit(o, reply, render_config)
@@ -112,13 +111,14 @@ def render_health(h: dict[str, Any]) -> str:
 
 
 def render_config(reply: dict[str, Any]) -> str:
+    """The config as TOML (valid TOML: `kvctl config show > file.toml` round-trips)."""
     lines = [f"# {reply.get('path') or '(built-in defaults)'}"]
     reloadable = set(reply.get("reloadable") or [])
 
-    def emit_table(prefix: str, table: dict[str, Any]) -> None:
+    def emit_table(prefix: str, table: dict[str, Any], array: bool = False) -> None:
         scalars = {k: v for k, v in table.items() if not isinstance(v, dict)
                    and not (isinstance(v, list) and v and isinstance(v[0], dict))}
-        lines.append(f"\n[{prefix}]")
+        lines.append(f"\n[[{prefix}]]" if array else f"\n[{prefix}]")
         for k, v in scalars.items():
             mark = "  # reloadable (SIGHUP)" if f"{prefix}.{k}" in reloadable else ""
             lines.append(f"{k} = {_toml_value(v)}{mark}")
@@ -127,7 +127,7 @@ def render_config(reply: dict[str, Any]) -> str:
                 emit_table(f"{prefix}.{k}", v)
             elif isinstance(v, list) and v and isinstance(v[0], dict):
                 for item in v:
-                    emit_table(f"{prefix}.{k}", item)
+                    emit_table(f"{prefix}.{k}", item, array=True)
 
     for section, table in (reply.get("config") or {}).items():
         emit_table(section, table)

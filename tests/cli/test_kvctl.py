@@ -1,0 +1,160 @@
+"""kvctl against an in-process control server: output, --json, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvagentd.config import config_to_dict
+from kvagentd.control.errors import BadConfig, Busy, Forbidden, NotReady
+from kvctl.main import main
+from tests.control.conftest import Harness, make_config, short_dir, start_harness  # noqa: F401
+
+
+@pytest.fixture
+def h(short_dir: Path) -> Iterator[Harness]:
+    harness = start_harness(make_config(short_dir))
+    yield harness
+    harness.server.stop(1.0)
+
+
+def kvctl(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _status_raises(h: Harness, exc: BaseException | None = None, sleep: float = 0.0) -> None:
+    def status() -> dict[str, Any]:
+        if sleep:
+            time.sleep(sleep)
+        if exc is not None:
+            raise exc
+        return {}
+    h.daemon.status = status  # type: ignore[method-assign]
+
+
+def test_status_human_and_json(h: Harness, capsys: pytest.CaptureFixture[str]) -> None:
+    h.daemon.status = lambda: {  # type: ignore[method-assign]
+        "version": "0.1.0", "pid": 42, "phase": "running", "ready": True, "uptime_s": 3725.0,
+        "host": {"memory": {"total_bytes": 64 << 30, "available_bytes": 40 << 30,
+                            "used_percent": 37.5},
+                 "disks": [{"path": "/var/lib/kvagentd", "total_bytes": 1 << 40,
+                            "free_bytes": 1 << 39, "used_percent": 50.0}]},
+        "gpu": None, "gpu_reason": "NVML unavailable: no library",
+        "store": {"hot_blocks": 10, "tiers": {"warm": 5}},
+    }
+    code, out, _ = kvctl(capsys, "--socket", str(h.path), "status")
+    assert code == 0
+    assert "kvagentd 0.1.0  running, ready  up 1h 2m  pid 42" in out
+    assert "40.0 GiB available of 64.0 GiB" in out
+    assert "gpu      none (NVML unavailable: no library)" in out
+    assert "store:" in out and "hot_blocks: 10" in out
+    code, out, _ = kvctl(capsys, "status", "--socket", str(h.path), "--json")
+    assert code == 0 and json.loads(out)["store"] == {"hot_blocks": 10, "tiers": {"warm": 5}}
+
+
+def test_options_before_or_after_the_command_and_env_socket(
+        h: Harness, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, _ = kvctl(capsys, "--json", "--socket", str(h.path), "health")
+    assert code == 0 and json.loads(out)["status"] == "ok"
+    monkeypatch.setenv("KVAGENTD_SOCKET", str(h.path))
+    code, out, _ = kvctl(capsys, "health", "--json", "--timeout", "5")
+    assert code == 0 and json.loads(out)["checks"][0]["name"] == "x"
+
+
+def test_health_table_and_failing_exit_code(h: Harness,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = kvctl(capsys, "--socket", str(h.path), "health")
+    assert code == 0 and out.splitlines()[0] == "health: ok" and "CHECK" in out
+    h.daemon.health = lambda: {"status": "failing", "checks": [  # type: ignore[method-assign]
+        {"name": "disk", "status": "failing", "detail": "cold tier read-only"}]}
+    code, out, _ = kvctl(capsys, "--socket", str(h.path), "health")
+    assert code == 1 and "cold tier read-only" in out
+
+
+def test_config_show_is_valid_toml_of_the_running_config(
+        h: Harness, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = kvctl(capsys, "--socket", str(h.path), "config", "show")
+    assert code == 0
+    parsed = tomllib.loads(out)
+    expected = config_to_dict(h.daemon.config)
+    assert parsed["kv"] == expected["kv"]
+    assert parsed["agent"]["assets"][0]["name"] == expected["agent"]["assets"][0]["name"]
+    code, out, _ = kvctl(capsys, "--socket", str(h.path), "--json", "config", "show", "control")
+    assert code == 0 and set(json.loads(out)["config"]) == {"control"}
+    code, _, err = kvctl(capsys, "--socket", str(h.path), "config", "show", "nope")
+    assert code == 64 and "no config section 'nope'" in err
+
+
+@pytest.mark.parametrize("exc,code,kind", [
+    (Busy("queue full"), 75, "busy"),
+    (NotReady("starting"), 75, "not_ready"),
+    (Forbidden("only operators"), 77, "forbidden"),
+    (BadConfig("kv.hot_bytes: bad"), 78, "bad_config"),
+    (KeyError("bug"), 1, "internal"),
+])
+def test_api_errors_map_to_exit_codes(h: Harness, capsys: pytest.CaptureFixture[str],
+                                      exc: BaseException, code: int, kind: str) -> None:
+    _status_raises(h, exc)
+    got, _, err = kvctl(capsys, "--socket", str(h.path), "status")
+    assert got == code and err.startswith("kvctl: ")
+    got, out, _ = kvctl(capsys, "--socket", str(h.path), "--json", "status")
+    assert got == code and json.loads(out)["error"]["kind"] == kind
+
+
+def test_timeout_exits_75(h: Harness, capsys: pytest.CaptureFixture[str]) -> None:
+    _status_raises(h, sleep=2.0)
+    code, _, err = kvctl(capsys, "--socket", str(h.path), "--timeout", "0.3", "status")
+    assert code == 75 and "no reply within 0.3 s" in err
+
+
+def test_no_daemon_exits_69_with_a_hint(short_dir: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    path = short_dir / "absent.sock"
+    code, _, err = kvctl(capsys, "--socket", str(path), "status")
+    assert code == 69
+    assert str(path) in err and "is the daemon running? systemctl status kvagentd" in err
+    code, out, _ = kvctl(capsys, "--socket", str(path), "--json", "status")
+    assert code == 69 and json.loads(out)["error"]["kind"] == "unreachable"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(short_dir / "stale.sock"))
+    stale.close()  # a socket file nobody listens on
+    code, _, _ = kvctl(capsys, "--socket", str(short_dir / "stale.sock"), "health")
+    assert code == 69
+
+
+def test_usage_errors_exit_64(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvctl(capsys, "frobnicate")[0] == 64
+    assert kvctl(capsys, "status", "--timeout", "0")[0] == 64
+    assert kvctl(capsys, "status", "--no-such-flag")[0] == 64
+    code, out, _ = kvctl(capsys, "--version")
+    assert code == 0 and out.startswith("kvctl ")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
+def test_socket_permission_denied_exits_77(h: Harness) -> None:
+    os.chmod(h.path.parent.parent, 0o755)  # the socket's directory itself stays 0750
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+                os.dup2(null.fileno(), 2)
+            code = main(["--socket", str(h.path), "status"])
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 77
