@@ -53,6 +53,8 @@ SERVICE_ORDER = ("store", "placement", "engine", "executor", "maintenance", "age
 # Seconds of EXTEND_TIMEOUT_USEC requested before each service starts or stops.
 SERVICE_START_ALLOWANCE_S = 300.0
 SERVICE_STOP_ALLOWANCE_S = 120.0
+# A stop signal this soon after the first one is a duplicate delivery, not a second request.
+SECOND_SIGNAL_MIN_GAP_S = 0.5
 
 
 class Phase(enum.Enum):
@@ -108,6 +110,7 @@ class Daemon:
         self._last_progress = time.monotonic()
         self._last_status_line = ""
         self._signals_installed = False
+        self._first_signal_at = 0.0
 
     # -- state -----------------------------------------------------------------------------
 
@@ -288,9 +291,15 @@ class Daemon:
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         # NOTE: runs between bytecodes of the main thread: set flags and wake only, no logging.
+        now = time.monotonic()
         if self._stop_reason is not None:
+            # A copy of the first signal (a wrapper such as timeout(1) signals both the child
+            # and its process group) is not a second request.
+            if now - self._first_signal_at < SECOND_SIGNAL_MIN_GAP_S:
+                return
             os.write(2, b"kvagentd: second stop signal, exiting at once\n")
             os._exit(128 + signum)
+        self._first_signal_at = now
         self.request_shutdown(signal.Signals(signum).name)
 
     def _on_hup(self, signum: int, frame: Any) -> None:
