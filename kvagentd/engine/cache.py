@@ -39,14 +39,12 @@ class Workspaces:
     def acquire(self, tokens: int) -> torch.Tensor:
         g = self.geometry
         need = -(-tokens // g.block_tokens) * g.block_tokens
-        with self._lock:
-            fits = [b for b in self._free if b.shape[4] >= need]
+        with self._lock:  # NOTE: by index, never list.remove: tensors compare elementwise
+            fits = [i for i, b in enumerate(self._free) if b.shape[4] >= need]
             if fits:
-                buf = min(fits, key=lambda b: b.shape[4])
-                self._free.remove(buf)
-                return buf
+                return self._free.pop(min(fits, key=lambda i: self._free[i].shape[4]))
             if self._free:  # replace the largest too-small buffer instead of keeping both
-                self._free.remove(max(self._free, key=lambda b: b.shape[4]))
+                self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].shape[4]))
         cap = g.block_tokens
         while cap < need:
             cap *= 2

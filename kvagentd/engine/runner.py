@@ -82,6 +82,7 @@ class Runner:
         res = GenerationResult(session=session_id)
         session = self.sessions.get(session_id) or Session(session_id)
         ids = self.prompt_ids(session, text, system)
+        cache: HotPoolCache | None = None
         try:
             cache, used_keys = self._restore(session_id, ids, max_new_tokens, res)
             logits = yield from self._prefill(cache, ids[cache.get_seq_length():], res)
@@ -89,9 +90,10 @@ class Runner:
                                                 res, t0)
             stored_keys = self._commit(session_id, ids + generated, cache, used_keys)
             self.store.record_access(stored_keys, session_id)
-            cache.release_workspace()
         finally:
             self.store.release(session_id)
+            if cache is not None:
+                cache.release_workspace()
         session.token_ids = ids + generated + self.chat.close_turn(generated)
         session.block_keys = stored_keys
         session.last_used = time.time()
