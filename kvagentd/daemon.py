@@ -253,6 +253,8 @@ class Daemon:
         self._set_phase(Phase.STOPPED)
         log.info("daemon_stopped", uptime_s=round(self.uptime_s(), 3))
         self.notifier.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
     # -- requests from signals and the API ---------------------------------------------------
 
@@ -270,7 +272,7 @@ class Daemon:
         try:
             self._wake_w.send(b"\0")
         except (BlockingIOError, OSError):
-            pass  # the wake-up buffer is full: the loop is already due to wake
+            pass  # buffer full (the loop is due to wake anyway) or the daemon has stopped
 
     def _wait(self, timeout: float) -> None:
         readable, _, _ = select.select([self._wake_r], [], [], timeout)

@@ -18,12 +18,15 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+# One object, so that cpu_percent() measures the interval since the previous status call.
+_PROCESS = psutil.Process()
+
 
 def host_status(paths: Iterable[Path]) -> dict[str, Any]:
     """Memory, load, this process and free space of the file systems holding `paths`."""
     vm = psutil.virtual_memory()
     sw = psutil.swap_memory()
-    proc = psutil.Process()
+    proc = _PROCESS
     with proc.oneshot():
         process = {"rss_bytes": proc.memory_info().rss, "threads": proc.num_threads(),
                    "open_fds": proc.num_fds(), "cpu_percent": proc.cpu_percent(None)}

@@ -102,11 +102,12 @@ class AccessPolicy:
         """Raise Forbidden, saying who may, unless `peer` may call this route."""
         if (self.may_change(peer) if change else self.may_read(peer)):
             return
+        groups = [self.operator_group] if self.operator_gid is not None else []
+        if not change and self.read_gid is not None and self.read_group not in groups:
+            groups.append(self.read_group)
         who = f"root, user {_name_of_uid(self.daemon_uid)}"
-        if self.operator_gid is not None:
-            who += f" and members of group {self.operator_group!r}"
-        if not change:
-            who += f" and members of group {self.read_group!r}"
+        if groups:
+            who += " and members of group " + " or ".join(repr(g) for g in groups)
         what = "changes daemon state" if change else "reads daemon state"
         raise Forbidden(f"{method} {path} {what}; allowed: {who}; "
                         f"you are uid {peer.uid} gid {peer.gid}")

@@ -277,8 +277,8 @@ class ControlHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def _send_api_error(self, err: ApiError) -> None:
-        if err.status >= 500 or err.status in (408, 411, 413):
-            self.close_connection = self.close_connection or err.status != 503
+        if err.status in (408, 411, 413):  # the rest of the request was not read
+            self.close_connection = True
         data = json.dumps(err.body()).encode() + b"\n"
         self._send_bytes(err.status, data, JSON_TYPE, err.headers)
 
