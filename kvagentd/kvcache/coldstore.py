@@ -37,7 +37,7 @@ import torch
 import xxhash
 
 from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdBackend, KVGeometry, Tier
-from kvagentd.kvcache.codec import CODEC_BY_ID, CODECS, Codec, make_codec
+from kvagentd.kvcache.codec import CODEC_BY_ID, CODECS, Codec, CodecId
 from kvagentd.kvcache.fileio import FileIO
 
 log = structlog.get_logger(__name__)
@@ -131,7 +131,10 @@ class ColdStore(ColdBackend):
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         rec = self._rec_len[self._codec.id]
-        self._wbuf = mmap.mmap(-1, max(self.io_unit, rec * max(1, read_batch_bytes // rec)))
+        # two halves: one is written while the next batch is encoded into the other
+        self._whalf = max(self.io_unit, rec * max(1, read_batch_bytes // rec))
+        self._wbuf = mmap.mmap(-1, 2 * self._whalf)
+        self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-cold-write")
         rb = max(rec, _align(read_batch_bytes))
         self._rbufs = [mmap.mmap(-1, rb), mmap.mmap(-1, rb)]
         self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-cold-read")
@@ -247,30 +250,44 @@ class ColdStore(ColdBackend):
                 return ok
             rows: list[tuple] = []
             now = time.time()
-            per_buf = max(1, len(self._wbuf) // rec)
+            per_buf = max(1, self._whalf // rec)
+            pending = None
             try:
-                for start in range(0, len(todo), per_buf):
+                for ci, start in enumerate(range(0, len(todo), per_buf)):
                     chunk = todo[start:start + per_buf]
                     if self._wfd is None or self._wtail + len(chunk) * rec > self.segment_bytes:
+                        if pending is not None:
+                            pending.result()
+                            pending = None
+                        if rows:
+                            self.io.fsync(self._wfd)
+                            self._commit_rows(rows)
+                            rows = []
                         self._roll_segment()
-                    seg, base = self._wseg, self._wtail
+                    seg, base, boff = self._wseg, self._wtail, (ci % 2) * self._whalf
                     sums = self._encode_records(codec, [keys[i] for i in chunk],
-                                                [blocks[i] for i in chunk])
-                    self._write_all(memoryview(self._wbuf)[:len(chunk) * rec], base)
+                                                [blocks[i] for i in chunk], boff)
+                    if pending is not None:
+                        pending.result()
+                    pending = self._write_pool.submit(
+                        self._write_all, memoryview(self._wbuf)[boff:boff + len(chunk) * rec], base)
                     for j, i in enumerate(chunk):
                         rows.append((keys[i], self.namespace, seg, base + j * rec, rec,
                                      codec.payload_nbytes, _signed64(sums[j]), codec.name,
                                      FORMAT_VERSION, session, num_tokens, now, now))
                     self._wtail = base + len(chunk) * rec
-                    if self._wtail + rec > self.segment_bytes:
-                        self.io.fsync(self._wfd)
-                        self._commit_rows(rows)
-                        rows = []
-                        self._roll_segment()
+                if pending is not None:
+                    pending.result()
+                    pending = None
                 if rows:
                     self.io.fsync(self._wfd)
                     self._commit_rows(rows)
             except OSError as exc:
+                if pending is not None:  # never reuse the buffer under a write in flight
+                    try:
+                        pending.result()
+                    except OSError as late:
+                        log.debug("cold_write_also_failed", error=str(late))
                 return self._write_failed(exc, keys, todo, rows, ok)
             self.counters["writes"] += len(todo)
             self.counters["write_bytes"] += len(todo) * rec
@@ -298,11 +315,12 @@ class ColdStore(ColdBackend):
         return ok
 
     def _encode_records(self, codec: Codec, keys: Sequence[BlockKey],
-                        blocks: Sequence[torch.Tensor]) -> list[int]:
-        """Encode headers and payloads of len(keys) records into the write staging buffer."""
+                        blocks: Sequence[torch.Tensor], boff: int = 0) -> list[int]:
+        """Encode headers and payloads of len(keys) records into the write staging buffer
+        at byte offset `boff`."""
         rec = self._rec_len[codec.id]
         n = len(keys)
-        staging = torch.frombuffer(self._wbuf, dtype=torch.uint8)[:n * rec].view(n, rec)
+        staging = torch.frombuffer(self._wbuf, dtype=torch.uint8)[boff:boff + n * rec].view(n, rec)
         payloads = staging[:, ALIGN:ALIGN + codec.payload_nbytes]
         if isinstance(blocks, torch.Tensor) and blocks.dim() == len(self.geometry.block_shape) + 1:
             codec.encode(blocks.cpu(), payloads)
@@ -313,7 +331,7 @@ class ColdStore(ColdBackend):
         shape = list(self.geometry.block_shape) + [0] * (5 - len(self.geometry.block_shape))
         sums = []
         for j, key in enumerate(keys):
-            off = j * rec
+            off = boff + j * rec
             s = xxhash.xxh3_64_intdigest(mv[off + ALIGN:off + ALIGN + codec.payload_nbytes])
             _HDR.pack_into(self._wbuf, off, MAGIC, FORMAT_VERSION, codec.id,
                            DTYPE_CODES[self.geometry.dtype], len(self.geometry.block_shape), 0,
@@ -421,19 +439,42 @@ class ColdStore(ColdBackend):
             runs.append([item])
         return runs
 
-    def _read_run(self, run: list[tuple[int, _Row]], buf: mmap.mmap) -> int | OSError:
+    def _direct_ok(self, r: _Row, out: torch.Tensor) -> bool:
+        """A raw record can be read straight into `out` (no bounce buffer, no decode)."""
+        if r.payload_len != self.geometry.block_bytes or out.device.type != "cpu" \
+                or out.dtype != self.geometry.dtype or not out.is_contiguous():
+            return False
+        return not self.o_direct_active or (out.data_ptr() % ALIGN == 0 and r.payload_len % ALIGN == 0)
+
+    def _read_run(self, run: list[tuple[int, _Row]], buf: mmap.mmap,
+                  outs: Sequence[torch.Tensor] | None = None) -> int | OSError:
+        """One sequential read of a run of adjacent records: into `buf`, or, with `outs`,
+        headers (and padding) into `buf` and each payload straight into its tensor."""
         first, last = run[0][1], run[-1][1]
         length = last.offset + last.length - first.offset
+        mv = memoryview(buf)
+        if outs is None:
+            iov = [mv[:length]]
+        else:
+            iov, hoff = [], 0
+            for i, r in run:
+                pad = r.length - ALIGN - r.payload_len
+                iov.append(mv[hoff:hoff + ALIGN])
+                iov.append(memoryview(outs[i].view(-1).view(torch.uint8).numpy()))
+                if pad:
+                    iov.append(mv[hoff + ALIGN:hoff + ALIGN + pad])
+                hoff += ALIGN + pad
         try:
             fd = self._rfd(first.segment)
-            got = self.io.preadv(fd, [memoryview(buf)[:length]], first.offset)
+            got = self.io.preadv(fd, iov, first.offset)
         except OSError as exc:
             return exc
         return got
 
     def read_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Read, verify and decode each record into its CPU tensor. Adjacent records are read
-        with one large sequential read; the next read overlaps decoding of the previous."""
+        with one large sequential read (raw records land directly in their tensors); the next
+        read overlaps verifying / decoding the previous one."""
         ok = [False] * len(keys)
         rows = self._rows(keys)
         todo = []
@@ -447,12 +488,18 @@ class ColdStore(ColdBackend):
         done: list[bytes] = []
         with self._read_lock:
             runs = self._runs(todo)
-            fut = self._read_pool.submit(self._read_run, runs[0], self._rbufs[0]) if runs else None
+            direct = [all(self._direct_ok(r, outs[i]) for i, r in run) for run in runs]
+
+            def submit(ri: int):
+                return self._read_pool.submit(self._read_run, runs[ri], self._rbufs[ri % 2],
+                                              outs if direct[ri] else None)
+
+            fut = submit(0) if runs else None
             for ri, run in enumerate(runs):
                 got = fut.result()
                 buf = self._rbufs[ri % 2]
                 if ri + 1 < len(runs):
-                    fut = self._read_pool.submit(self._read_run, runs[ri + 1], self._rbufs[(ri + 1) % 2])
+                    fut = submit(ri + 1)
                 if isinstance(got, OSError):
                     self.counters["io_errors"] += len(run)
                     log.error("cold_read_failed", segment=run[0][1].segment, error=str(got))
@@ -461,25 +508,30 @@ class ColdStore(ColdBackend):
                     else:
                         self._retire(run[0][1].segment, f"read: {got.strerror or got}")
                     continue
-                base = run[0][1].offset
+                base, hoff = run[0][1].offset, 0
                 for i, r in run:
                     if r.offset - base + r.length > got:
                         self.counters["missing"] += 1
                         log.error("cold_record_short", key=r.key.hex(), segment=r.segment)
                         continue
-                    if self._verify_decode(buf, r.offset - base, r, outs[i]):
+                    if direct[ri]:
+                        good = self._verify_direct(buf, hoff, r, outs[i])
+                        hoff += r.length - r.payload_len
+                    else:
+                        good = self._verify_decode(buf, r.offset - base, r, outs[i])
+                    if good:
                         ok[i] = True
                         done.append(r.key)
                         self.counters["reads"] += 1
                         self.counters["read_bytes"] += r.length
         if done:
-            with self._lock:
-                self._db.executemany("UPDATE blocks SET last_access=? WHERE key=?",
-                                     [(time.time(), k) for k in done])
+            self.touch(done)
         return ok
 
-    def _check_record(self, buf: mmap.mmap, off: int, r: _Row) -> tuple[int, tuple] | str:
-        """Header fields of a record at `buf[off:]` after all checks, or why it failed."""
+    def _check_record(self, buf: mmap.mmap, off: int, r: _Row,
+                      payload: memoryview | None = None) -> tuple[int, tuple] | str:
+        """Header fields of a record at `buf[off:]` after all checks, or why it failed.
+        `payload`: where the payload was read to, when not right after the header in `buf`."""
         mv = memoryview(buf)
         h = _HDR.unpack_from(buf, off)
         if h[0] != MAGIC or h[1] != FORMAT_VERSION:
@@ -497,9 +549,21 @@ class ColdStore(ColdBackend):
         if plen != self._codec_for(cid).payload_nbytes or plen != r.payload_len \
                 or ALIGN + plen > r.length:
             return "payload length"
-        if psum != r.checksum or xxhash.xxh3_64_intdigest(mv[off + ALIGN:off + ALIGN + plen]) != psum:
+        if payload is None:
+            payload = mv[off + ALIGN:off + ALIGN + plen]
+        elif cid != CodecId.RAW:
+            return "codec mismatch"
+        if psum != r.checksum or xxhash.xxh3_64_intdigest(payload) != psum:
             return "payload checksum"
         return cid, h
+
+    def _verify_direct(self, buf: mmap.mmap, hoff: int, r: _Row, out: torch.Tensor) -> bool:
+        res = self._check_record(buf, hoff, r, memoryview(out.view(-1).view(torch.uint8).numpy()))
+        if isinstance(res, str):
+            self.counters["corrupt"] += 1
+            log.error("cold_checksum_failed", key=r.key.hex(), segment=r.segment, reason=res)
+            return False
+        return True
 
     def _verify_decode(self, buf: mmap.mmap, off: int, r: _Row, out: torch.Tensor) -> bool:
         res = self._check_record(buf, off, r)
@@ -567,7 +631,9 @@ class ColdStore(ColdBackend):
         """Refresh the TTL of records (an access that did not need a read)."""
         now = time.time() if now is None else now
         with self._lock:
+            self._db.execute("BEGIN")
             self._db.executemany("UPDATE blocks SET last_access=? WHERE key=?", [(now, k) for k in keys])
+            self._db.execute("COMMIT")
 
     # -- session references (persisted so that per-session counts survive a restart) -------
     def save_refs(self, refs: dict[str, Iterable[BlockKey]]) -> None:
@@ -730,6 +796,7 @@ class ColdStore(ColdBackend):
         self._closed = True
         with self._write_lock, self._read_lock:
             self._read_pool.shutdown(wait=True)
+            self._write_pool.shutdown(wait=True)
             for fd in list(self._rfds.values()) + ([self._wfd] if self._wfd is not None else []):
                 try:
                     self.io.close(fd)

@@ -18,6 +18,9 @@ import torch
 from kvagentd.kvcache.state import IntegrityError
 
 
+ARENA_ALIGN = 4096
+
+
 class Fragmentation(NamedTuple):
     used: int
     free: int
@@ -37,8 +40,14 @@ class BlockPool:
         self.block_shape = tuple(block_shape)
         self.device = torch.device(device)
         pin = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
-        self.arena = torch.empty((capacity, *self.block_shape), dtype=dtype, device=self.device,
-                                 pin_memory=pin)
+        if self.device.type == "cpu":
+            # page-aligned, so that O_DIRECT reads can land in slots without a bounce buffer
+            nbytes = capacity * int(np.prod(self.block_shape)) * torch.empty((), dtype=dtype).element_size()
+            raw = torch.empty(nbytes + ARENA_ALIGN, dtype=torch.uint8, pin_memory=pin)
+            off = (-raw.data_ptr()) % ARENA_ALIGN
+            self.arena = raw[off:off + nbytes].view(dtype).view(capacity, *self.block_shape)
+        else:
+            self.arena = torch.empty((capacity, *self.block_shape), dtype=dtype, device=self.device)
         self.pinned = pin
         self.block_bytes = self.arena[0].numel() * self.arena.element_size() if capacity else 0
         self._used = np.zeros(capacity, dtype=bool)

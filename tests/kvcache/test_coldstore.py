@@ -223,3 +223,30 @@ def test_quantized_records(make_cold, geometry, namespace, codec):
     assert all(ok)
     err = max(((o - b).norm() / b.norm()).item() for o, b in zip(outs, blocks))
     assert 0 < err < 0.05
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_page_sized_blocks_read_straight_into_pool_slots(make_cold, namespace, tmp_path, o_direct):
+    from kvagentd.kvcache.base import KVGeometry
+    from kvagentd.kvcache.pool import BlockPool
+
+    g = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=64, block_tokens=4, dtype=torch.float32)
+    assert g.block_bytes % ALIGN == 0
+    cs = make_cold(geometry=g, o_direct=o_direct)
+    keys, blocks = _keys(namespace, 5), _blocks(g, 5)
+    cs.put_many(keys, blocks)
+    pool = BlockPool("warm", 8, g.block_shape, g.dtype)
+    slots = pool.allocate(5)
+    assert pool.arena.data_ptr() % ALIGN == 0
+    outs = [pool.arena[s] for s in slots]
+    assert all(cs._direct_ok(r, o) for r, o in zip(cs._rows(keys).values(), outs))
+    assert cs.read_into(keys, outs) == [True] * 5
+    assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+    cs.close()
+    seg = sorted((tmp_path / "cold").glob("seg-*.kvs"))[0]
+    with open(seg, "r+b") as f:
+        f.seek(2 * (ALIGN + g.block_bytes) + ALIGN + 12)
+        f.write(b"\x00\x01\x02")
+    cs = make_cold(geometry=g, o_direct=o_direct)
+    assert cs.read_into(keys, outs) == [True, True, False, True, True]
+    assert torch.equal(outs[3], blocks[3]) and cs.stats()["corrupt"] == 1
