@@ -7,7 +7,6 @@ Exit codes (sysexits): 0 ok, 1 other failure, 64 usage, 69 daemon unreachable,
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import typer
 

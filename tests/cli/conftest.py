@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import structlog
@@ -12,3 +15,11 @@ def _quiet_server_logs() -> Iterator[None]:
     structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A short directory (AF_UNIX paths are limited to 107 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="kvc", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

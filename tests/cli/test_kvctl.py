@@ -16,7 +16,7 @@ import pytest
 from kvagentd.config import config_to_dict
 from kvagentd.control.errors import BadConfig, Busy, Forbidden, NotReady
 from kvctl.main import main
-from tests.control.conftest import Harness, make_config, short_dir, start_harness  # noqa: F401
+from tests.control.conftest import Harness, make_config, start_harness
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from kvagentd.control.authz import AccessPolicy
 from kvagentd.control.errors import Forbidden
 from kvagentd.control.router import Peer
-from tests.control.conftest import Harness, make_config, read_all, start_harness
+from tests.control.conftest import make_config, read_all, start_harness
 
 NOBODY = 65534
 

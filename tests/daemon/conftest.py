@@ -123,7 +123,7 @@ class DaemonProcess:
         with self.client() as c:
             return c.get(path).json()
 
-    def signal(self, sig: signal.Signals) -> None:
+    def send_signal(self, sig: signal.Signals) -> None:
         self.proc.send_signal(sig)
 
     def wait(self, timeout: float = 30.0) -> int:

@@ -30,7 +30,7 @@ def test_start_ready_stop_with_notify_order_and_socket_removed(spawn) -> None:
     assert p.get("/v1/readyz") == {"ready": True}
     assert any(f.startswith("STATUS=") for f in ready.split("\n"))
     p.notify.wait_for("WATCHDOG=1")  # half of WATCHDOG_USEC, from the main loop
-    p.signal(signal.SIGTERM)
+    p.send_signal(signal.SIGTERM)
     assert p.wait() == 0
     p.notify.drain()
     fields = p.notify.fields()
@@ -45,7 +45,7 @@ def test_start_ready_stop_with_notify_order_and_socket_removed(spawn) -> None:
 def test_sigint_is_graceful_too(spawn) -> None:
     p = spawn()
     p.notify.wait_for("READY=1")
-    p.signal(signal.SIGINT)
+    p.send_signal(signal.SIGINT)
     assert p.wait() == 0
     assert not p.socket.exists()
 
@@ -65,7 +65,7 @@ def test_sighup_reloads_log_level_and_keeps_old_config_on_error(spawn, short_dir
     p.notify.wait_for("READY=1")
     p.notify.messages.clear()
     write_config(short_dir, log_level="debug", extra="[placement]\npolicy = \"lru\"\n")
-    p.signal(signal.SIGHUP)
+    p.send_signal(signal.SIGHUP)
     p.notify.wait_for("RELOADING=1")
     p.notify.wait_for("READY=1")
     cfg = p.get("/v1/config")["config"]
@@ -78,12 +78,12 @@ def test_sighup_reloads_log_level_and_keeps_old_config_on_error(spawn, short_dir
     config.write_text(config.read_text().replace('log_level = "debug"',
                                                  'log_level = "loud"'))
     p.notify.messages.clear()
-    p.signal(signal.SIGHUP)
+    p.send_signal(signal.SIGHUP)
     p.notify.wait_for("READY=1")
     assert p.get("/v1/config")["config"]["daemon"]["log_level"] == "debug"
     rejected = [e for e in _json_events(p.output()) if e.get("event") == "reload_rejected"]
     assert rejected and rejected[-1]["field"] == "daemon.log_level"
-    p.signal(signal.SIGTERM)
+    p.send_signal(signal.SIGTERM)
     assert p.wait() == 0
 
 
@@ -101,12 +101,12 @@ def test_second_signal_exits_at_once(spawn, short_dir: Path) -> None:
     s.connect(str(p.socket))
     s.sendall(b"GET /v1/status HTTP/1.1\r\nX-Partial: ")
     time.sleep(0.3)
-    p.signal(signal.SIGTERM)
+    p.send_signal(signal.SIGTERM)
     p.notify.wait_for("STOPPING=1")
-    p.signal(signal.SIGTERM)  # an immediate duplicate (as from a process-group wrapper)
+    p.send_signal(signal.SIGTERM)  # an immediate duplicate (as from a process-group wrapper)
     time.sleep(1.0)
     assert p.proc.poll() is None  # still draining
-    p.signal(signal.SIGTERM)
+    p.send_signal(signal.SIGTERM)
     assert p.wait(10) == 128 + signal.SIGTERM
     s.close()
 
@@ -152,5 +152,5 @@ def test_socket_in_use_fails_startup_without_touching_the_running_daemon(spawn,
     assert r.returncode == 73
     assert "another process is listening" in r.stdout + r.stderr
     assert p.get("/v1/livez") == {"alive": True}
-    p.signal(signal.SIGTERM)
+    p.send_signal(signal.SIGTERM)
     assert p.wait() == 0
