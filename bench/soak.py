@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import gc
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -49,7 +48,6 @@ from kvagentd.kvcache.fileio import FileIO
 from kvagentd.kvcache.keys import make_namespace
 from kvagentd.kvcache.store import TieredKVStore
 from kvagentd.maintenance import health
-from kvagentd.maintenance.failover import ServingTier
 from kvagentd.maintenance.faults import FaultPlan, FaultyFileIO
 from kvagentd.maintenance.service import Maintenance, build_cold_tier
 

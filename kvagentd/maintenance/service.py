@@ -90,6 +90,7 @@ class Maintenance:
         self.scrubber = Scrubber(cold, int(config.maintenance.scrub_rate_bytes_per_s)) \
             if cold is not None and hasattr(cold, "verify") else None
         self._defrag_lock = threading.Lock()
+        self._scrub_thread: threading.Thread | None = None
         # Seconds per block move: a pessimistic 1 GB/s copy until a run has measured it.
         self._per_move_s = (store.geometry.block_bytes / 1e9) if store is not None else 1e-3
         self.defrag_runs = 0
@@ -285,9 +286,25 @@ class Maintenance:
         return {**out, **self.failover.status()}
 
     def scrub(self, rate_bytes_per_s: float | None = None) -> dict[str, Any]:
+        """One scrub pass now, in this thread; returns its report."""
         if self.scrubber is None:
             return {"note": "no cold tier"}
         return self.scrubber.run(rate_bytes_per_s).as_dict()
+
+    def scrub_in_background(self) -> dict[str, Any]:
+        """Start a scrub pass on its own thread (a pass at the bounded rate can take long)."""
+        if self.scrubber is None:
+            return {"started": False, "note": "no cold tier"}
+        t = self._scrub_thread
+        if t is not None and t.is_alive():
+            return {"started": False, "note": "a scrub is already running", **self.scrubber.status()}
+        self._scrub_thread = threading.Thread(target=self.scrubber.run, name="kv-scrub", daemon=True)
+        self._scrub_thread.start()
+        return {"started": True, **self.scrubber.status()}
+
+    def scrub_status(self) -> dict[str, Any]:
+        running = self._scrub_thread is not None and self._scrub_thread.is_alive()
+        return {"running": running, **(self.scrubber.status() if self.scrubber else {})}
 
 
 __all__ = ["Maintenance", "DefragBusy", "build_cold_tier"]

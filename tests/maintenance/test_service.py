@@ -183,3 +183,22 @@ def test_debug_section_wraps_the_ssd_io(env, tmp_path):
         assert tier.put(key(1), block(1)) and tier.serving is ServingTier.SHADOW
     finally:
         tier.close()
+
+
+def test_scrub_routes_run_in_background(env):
+    cfg, store, cold, sched, m = env
+    for i in range(4):
+        assert cold.put(key(i), block(i))
+    server = serve(cfg, m)
+    try:
+        import httpx
+
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(cfg.control.socket)),
+                          base_url="http://k", timeout=10) as c:
+            assert c.post("/v1/scrub", json={}).json()["started"] is True
+            m._scrub_thread.join(10)
+            st = c.get("/v1/scrub").json()
+            assert st["running"] is False and st["passes"] == 1 and st["checked"] == 4
+            assert st["bad_records"] == 0
+    finally:
+        server.stop(1.0)

@@ -82,9 +82,14 @@ def register(router: Router, daemon: Any) -> None:
         except FailoverError as exc:
             raise Busy(str(exc), kind="restore_failed") from None
 
+    @router.route("GET", "/v1/scrub", change=False)
+    def scrub_status(req: Request) -> dict[str, Any]:
+        return svc().scrub_status()
+
     @router.route("POST", "/v1/scrub", change=True)
     def scrub(req: Request) -> dict[str, Any]:
-        return svc().scrub()
+        """Start a checksum scrub of the cold tier at the configured rate (runs in background)."""
+        return svc().scrub_in_background()
 
 
 def _run_defrag(m: Any, tier: str, dry_run: bool, progress: Any) -> dict[str, Any]:
