@@ -79,7 +79,9 @@ class Client:
                 if "ndjson" in ctype or ctype.startswith("application/json"):
                     for line in resp.iter_lines():
                         if line.strip():
-                            yield json.loads(line)
+                            item = json.loads(line)
+                            _raise_if_error_line(item, resp.status_code)
+                            yield item
                 elif ctype.startswith("text/event-stream"):
                     yield from _sse_events(resp.iter_lines())
                 else:
@@ -139,6 +141,14 @@ def _failure(status: int, content: bytes) -> ApiFailure:
     except (ValueError, KeyError, TypeError):
         text = content.decode("utf-8", "replace").strip()[:500]
         return ApiFailure(status, "http_error", text or f"HTTP {status}")
+
+
+def _raise_if_error_line(item: Any, status: int) -> None:
+    """The server ends a failed NDJSON stream with one `{"error": {"kind", "message"}}` line."""
+    if isinstance(item, dict) and set(item) == {"error"} and isinstance(item["error"], dict):
+        err = item["error"]
+        if "kind" in err and "message" in err:
+            raise ApiFailure(0, str(err["kind"]), str(err["message"]))
 
 
 def _sse_events(lines: Iterator[str]) -> Iterator[Any]:

@@ -70,9 +70,9 @@ def exit_code_for(status: int, kind: str) -> int:
     """The kvctl exit code for an API error reply."""
     if kind == "bad_config":
         return EX_CONFIG
-    if status == 403:
+    if status == 403 or kind == "forbidden":
         return EX_NOPERM
-    if status in (409, 503, 504, 408):
+    if status in (409, 503, 504, 408) or kind in ("busy", "not_ready", "overloaded", "timeout"):
         return EX_TEMPFAIL
     if status in (400, 405, 411, 413, 414, 431):
         return EX_USAGE

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 
 from kvagentd.config import config_to_dict
 from kvagentd.control.errors import BadConfig, Busy, Forbidden, NotReady
+from kvctl.common import Opts, stream
 from kvctl.main import main
 from tests.control.conftest import Harness, make_config, start_harness
 
@@ -158,3 +160,26 @@ def test_socket_permission_denied_exits_77(h: Harness) -> None:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 77
+
+
+def _collect(o: Opts, path: str) -> list[Any]:
+    return list(stream(o, "GET", path))
+
+
+def test_stream_helper_yields_items_and_maps_failures(h: Harness,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    o = Opts(socket=h.path, json=False, timeout=5.0)
+    assert _collect(o, "/test/stream/3") == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert "".join(_collect(o, "/test/text")) == "hello world"
+    with pytest.raises(typer.Exit) as exc:
+        _collect(o, "/test/stream-busy")
+    assert exc.value.exit_code == 75
+    items: list[Any] = []
+    with pytest.raises(typer.Exit) as exc:
+        for item in stream(o, "GET", "/test/stream-fails"):
+            items.append(item)
+    assert items == [{"i": 0}] and exc.value.exit_code == 1
+    assert "internal" in capsys.readouterr().err
+    with pytest.raises(typer.Exit) as exc:
+        _collect(Opts(socket=h.path.parent / "absent.sock"), "/test/text")
+    assert exc.value.exit_code == 69
