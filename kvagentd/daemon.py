@@ -183,6 +183,7 @@ class Daemon:
             log.info("service_started", service=name,
                      seconds=round(time.monotonic() - started, 3))
         self._set_phase(Phase.RUNNING)
+        self._last_progress = time.monotonic()
         line = self._status_line()
         self.notifier.ready(line)
         self._last_status_line = line
