@@ -145,6 +145,6 @@ class BlockPool:
     def stats(self) -> dict[str, object]:
         fr = self.fragmentation()
         return {"capacity": self.capacity, "used": fr.used, "free": fr.free,
-                "block_bytes": self.block_bytes, "bytes": self.capacity * self.block_bytes,
+                "block_bytes": self.block_bytes, "arena_bytes": self.capacity * self.block_bytes,
                 "device": str(self.device), "pinned": self.pinned,
                 "largest_free_run": fr.largest_free_run, "fragmentation": round(fr.ratio, 4)}

@@ -575,6 +575,27 @@ class TieredKVStore(KVStore):
                 if pool.num_used != expect:
                     raise IntegrityError(f"{t.value}: {pool.num_used} used slots, {expect} accounted")
 
+    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
+        """Scrub the cold tier now (see `ColdStore.verify`). With `repair`, records dropped
+        from the cold index are forgotten here too: a block that lived only there becomes
+        LOST (its tokens are recomputed on next use)."""
+        if self._cold is None:
+            return {"checked": 0, "corrupt": 0, "missing": 0, "repaired": 0, "bytes": 0}
+        before = set(self._cold.keys()) if repair else set()
+        report = self._cold.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s)
+        if repair:
+            gone = before - set(self._cold.keys())
+            with self._cond:
+                for k in gone:
+                    m = self._meta.get(k)
+                    if m is None:
+                        continue
+                    m.in_cold = False
+                    if m.state is BlockState.COLD:
+                        transition(m, BlockState.LOST)
+                        self.counters["lost"] += 1
+        return report
+
     # -- shutdown ----------------------------------------------------------------------------
     def persist(self) -> int:
         """Write hot and warm blocks that sessions reference to the cold tier and save the

@@ -240,3 +240,21 @@ def test_block_state_of_snapshot(make_store):
     snap = {b.key: b for b in st.snapshot()}
     assert snap[keys[0]].tier is Tier.COLD and not snap[keys[0]].in_use
     assert st._meta[keys[0]].state is BlockState.COLD
+
+
+def test_verify_repair_marks_cold_only_blocks_lost(make_store, tmp_path):
+    st = make_store(hot=4, warm=4)
+    toks = list(range(8))
+    keys = compute_blocks(st, "a", toks, 0, 2)
+    st.release("a")
+    st.demote(keys, Tier.COLD)
+    seg = sorted((tmp_path / "cold").glob("seg-*.kvs"))[0]
+    with open(seg, "r+b") as f:
+        f.seek(os.path.getsize(seg) // 2 + ALIGN + 4)
+        f.write(b"\x55")
+    assert st.verify()["corrupt"] == 1
+    assert st.match_prefix(toks).num_tokens == 8  # a scrub without repair changes nothing
+    report = st.verify(repair=True)
+    assert report["repaired"] == 1
+    assert st.match_prefix(toks).num_tokens == 4 and st.stats()["states"].get("lost") == 1
+    st.check_integrity()

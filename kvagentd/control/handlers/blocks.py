@@ -1,0 +1,106 @@
+"""Block store routes: per-tier and per-session views, migrate, pin / unpin, cold verify.
+
+`daemon.store` is a `kvagentd.kvcache.store.TieredKVStore` (None until started).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvagentd.control.errors import BadRequest, NotFound, NotReady
+from kvagentd.control.router import Request, Router
+from kvagentd.kvcache.base import Tier
+from kvagentd.kvcache.keys import parse_key
+
+_RANK = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
+
+
+def register(router: Router, daemon: Any) -> None:
+
+    def store() -> Any:
+        s = getattr(daemon, "store", None)
+        if s is None:
+            raise NotReady("the block store is not running")
+        return s
+
+    def target_keys(s: Any, body: dict[str, Any]) -> list[bytes]:
+        """Keys named by {"session": ID} or {"block": HEX}; exactly one of them."""
+        session, block = body.get("session"), body.get("block")
+        if (session is None) == (block is None):
+            raise BadRequest("give exactly one of 'session' or 'block'")
+        if session is not None:
+            if not isinstance(session, str) or not session:
+                raise BadRequest("'session' must be a non-empty string")
+            keys = s.keys_of_session(session)
+            if not keys:
+                raise NotFound(f"no blocks for session {session!r}")
+            return keys
+        try:
+            key = parse_key(str(block))
+        except ValueError as exc:
+            raise BadRequest(f"'block' must be a 32-digit hex key: {exc}") from None
+        if not any(b.key == key for b in s.snapshot()):
+            raise NotFound(f"no block {key.hex()}")
+        return [key]
+
+    @router.route("GET", "/v1/blocks", change=False)
+    def blocks(req: Request) -> dict[str, Any]:
+        s = store()
+        st = s.stats()
+        tiers = {}
+        for name, t in st["tiers"].items():
+            tiers[name] = {k: t.get(k) for k in ("blocks", "bytes", "capacity", "used", "free",
+                                                 "largest_free_run", "fragmentation", "bytes_used",
+                                                 "capacity_bytes", "read_only", "codec") if k in t}
+        sessions = [{"session": name, **counts, "total": sum(counts.values())}
+                    for name, counts in sorted(s.session_blocks().items())]
+        out = {"block_bytes": st["block_bytes"], "blocks": st["blocks"], "states": st["states"],
+               "pinned": st["pinned"], "in_use": st["in_use"], "lost": st["lost"],
+               "tiers": tiers, "sessions": sessions}
+        only = req.query.get("session")
+        if only:
+            rows = [b for b in s.snapshot() if only in b.sessions]
+            out["session_blocks"] = [{"key": b.key.hex(), "tier": b.tier.value if b.tier else None,
+                                      "pinned": b.pinned, "in_use": b.in_use,
+                                      "last_access": b.last_access} for b in rows]
+        return out
+
+    @router.route("POST", "/v1/blocks/migrate", change=True)
+    def migrate(req: Request) -> dict[str, Any]:
+        body = req.json_object()
+        to = body.get("to")
+        try:
+            tier = Tier(to)
+        except ValueError:
+            raise BadRequest(f"'to' must be one of hot, warm, cold; got {to!r}") from None
+        s = store()
+        keys = target_keys(s, body)
+        where = {b.key: b.tier for b in s.snapshot()}
+        up = [k for k in keys if where.get(k) is not None and _RANK[where[k]] > _RANK[tier]]
+        down = [k for k in keys if where.get(k) is not None and _RANK[where[k]] < _RANK[tier]]
+        moved = (s.promote(up, tier) if up else 0) + (s.demote(down, tier) if down else 0)
+        already = sum(1 for k in keys if where.get(k) is tier)
+        return {"to": tier.value, "requested": len(keys), "moved": moved, "already": already,
+                "skipped": len(keys) - moved - already}
+
+    @router.route("POST", "/v1/blocks/pin", change=True)
+    def pin(req: Request) -> dict[str, Any]:
+        s = store()
+        keys = target_keys(s, req.json_object())
+        s.pin(keys)
+        return {"pinned": len(keys)}
+
+    @router.route("POST", "/v1/blocks/unpin", change=True)
+    def unpin(req: Request) -> dict[str, Any]:
+        s = store()
+        keys = target_keys(s, req.json_object())
+        s.unpin(keys)
+        return {"unpinned": len(keys)}
+
+    @router.route("POST", "/v1/verify", change=True)
+    def verify(req: Request) -> dict[str, Any]:
+        body = req.json_object()
+        repair = body.get("repair", False)
+        if not isinstance(repair, bool):
+            raise BadRequest("'repair' must be true or false")
+        return store().verify(repair=repair)
