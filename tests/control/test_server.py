@@ -172,10 +172,10 @@ def test_body_at_the_limit_is_accepted(harness: Harness) -> None:
 
 def test_silent_client_is_dropped_and_does_not_block_others(harness: Harness) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
+    s.settimeout(30)
     s.connect(str(harness.path))
     assert harness.alive()  # served while the silent client holds its connection
-    assert read_all(s) == b""  # closed by the header deadline, without a reply
+    assert s.recv(1024) == b""  # closed by the 1 s header deadline, without a reply
     s.close()
 
 
@@ -214,7 +214,15 @@ def test_slow_body_is_cut_by_the_read_deadline(harness: Harness) -> None:
     assert harness.alive()
 
 
-def test_connections_beyond_the_limit_get_503_and_slots_come_back(harness: Harness) -> None:
+def test_connections_beyond_the_limit_get_503_and_slots_come_back(short_dir: Path) -> None:
+    harness = start_harness(make_config(short_dir, header_timeout_s=60.0))
+    try:
+        _fill_and_free_connection_slots(harness)
+    finally:
+        harness.server.stop(1.0)
+
+
+def _fill_and_free_connection_slots(harness: Harness) -> None:
     idle = []
     for _ in range(4):  # max_connections = 4
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -102,8 +102,8 @@ def test_second_signal_exits_at_once(spawn, short_dir: Path) -> None:
     s.sendall(b"GET /v1/status HTTP/1.1\r\nX-Partial: ")
     time.sleep(0.3)
     p.send_signal(signal.SIGTERM)
-    p.notify.wait_for("STOPPING=1")
     p.send_signal(signal.SIGTERM)  # an immediate duplicate (as from a process-group wrapper)
+    p.notify.wait_for("STOPPING=1")
     time.sleep(1.0)
     assert p.proc.poll() is None  # still draining
     p.send_signal(signal.SIGTERM)
