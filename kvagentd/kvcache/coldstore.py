@@ -142,6 +142,7 @@ class ColdStore(ColdBackend):
         self._wfd: int | None = None
         self._wseg: int | None = None
         self._wtail = 0
+        self._retired: set[int] = set()
         self.counters = dict(reads=0, read_bytes=0, corrupt=0, missing=0, io_errors=0,
                              writes=0, write_bytes=0, write_failures=0, evicted=0,
                              compacted_bytes=0, retired_segments=0)
@@ -198,6 +199,7 @@ class ColdStore(ColdBackend):
             with self._lock:
                 self._db.execute("UPDATE segments SET state='sealed' WHERE id=? AND state='active'",
                                  (self._wseg,))
+            self._wseg = None
         with self._lock:
             seg = self._db.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM segments").fetchone()[0]
             self._db.execute("INSERT INTO segments (id, state, size) VALUES (?, 'active', 0)", (seg,))
@@ -207,18 +209,14 @@ class ColdStore(ColdBackend):
         self._wseg, self._wtail = seg, 0
 
     def _retire(self, seg: int, reason: str) -> None:
+        """Never write `seg` again; the writer rolls to a new segment before its next write."""
         with self._lock:
+            self._retired.add(seg)
             cur = self._db.execute("UPDATE segments SET state='retired' WHERE id=? AND state!='retired'",
                                    (seg,))
             if cur.rowcount:
                 self.counters["retired_segments"] += 1
                 log.error("cold_segment_retired", segment=seg, reason=reason)
-        if seg == self._wseg and self._wfd is not None:
-            try:
-                self.io.close(self._wfd)
-            except OSError as exc:
-                log.warning("cold_close_failed", segment=seg, error=str(exc))
-            self._wfd, self._wseg = None, None
 
     def put(self, key: BlockKey, block: torch.Tensor, *, session: str = "", num_tokens: int = 0) -> bool:
         return self.put_many([key], [block], session=session, num_tokens=num_tokens)[0]
@@ -255,7 +253,8 @@ class ColdStore(ColdBackend):
             try:
                 for ci, start in enumerate(range(0, len(todo), per_buf)):
                     chunk = todo[start:start + per_buf]
-                    if self._wfd is None or self._wtail + len(chunk) * rec > self.segment_bytes:
+                    if self._wfd is None or self._wseg in self._retired \
+                            or self._wtail + len(chunk) * rec > self.segment_bytes:
                         if pending is not None:
                             pending.result()
                             pending = None
@@ -721,7 +720,8 @@ class ColdStore(ColdBackend):
                     self._delete_rows([r.key])
                 continue
             try:
-                if self._wfd is None or self._wtail + r.length > self.segment_bytes:
+                if self._wfd is None or self._wseg in self._retired \
+                        or self._wtail + r.length > self.segment_bytes:
                     self._roll_segment()
                 self._wbuf[:r.length] = buf[:r.length]
                 self._write_all(memoryview(self._wbuf)[:r.length], self._wtail)
