@@ -87,6 +87,7 @@ class ControlHandler(BaseHTTPRequestHandler):
     deadline: float = 0.0
     bytes_in_request: int = 0
     busy: bool = False
+    responded: bool = False  # a status line went out for the current request
 
     # -- connection setup / teardown -------------------------------------------------------
 
@@ -113,6 +114,7 @@ class ControlHandler(BaseHTTPRequestHandler):
     def handle_one_request(self) -> None:
         self.busy = False
         self.bytes_in_request = 0
+        self.responded = False
         self.deadline = time.monotonic() + self.ctl.cfg.header_timeout_s
         if self.ctl.stopping:
             self.close_connection = True
@@ -137,7 +139,7 @@ class ControlHandler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except TimeoutError:
             self.close_connection = True
-            if self.bytes_in_request:
+            if self.bytes_in_request and not self.responded:
                 self._quiet_error(408, "request not received within the deadline")
         except OSError as exc:  # the peer went away or the drain cut the connection
             log.debug("control_connection_dropped", error=str(exc))
@@ -237,6 +239,10 @@ class ControlHandler(BaseHTTPRequestHandler):
                 f"({self.ctl.cfg.max_body_bytes})")
 
     # -- responses -------------------------------------------------------------------------
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.responded = True
+        super().send_response(code, message)
 
     def _prepare_write(self) -> None:
         self.connection.settimeout(self.ctl.cfg.read_timeout_s)

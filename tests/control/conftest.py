@@ -67,6 +67,7 @@ class Harness:
         self.server, self.daemon = server, daemon
         self.path = server.path
         self.release = threading.Event()  # unblocks /test/block
+        self.flood_closed = threading.Event()  # set when /test/flood's generator is closed
 
     def client(self, timeout: float = 5.0) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.path)),
@@ -144,6 +145,14 @@ def add_test_routes(router: Router, h: Harness) -> None:
     def block(req: Request) -> dict[str, Any]:
         h.release.wait(30)
         return {"released": True}
+
+    @router.route("GET", "/test/flood")
+    def flood(req: Request) -> Iterator[bytes]:
+        try:
+            for _ in range(10_000):
+                yield b"x" * 65536
+        finally:
+            h.flood_closed.set()
 
     @router.route("GET", "/test/plain")
     def plain(req: Request) -> Response:

@@ -214,6 +214,17 @@ def test_slow_body_is_cut_by_the_read_deadline(harness: Harness) -> None:
     assert harness.alive()
 
 
+def test_client_that_does_not_read_its_stream_is_cut_and_the_producer_closed(
+        harness: Harness) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(harness.path))
+    s.sendall(b"GET /test/flood HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert harness.flood_closed.wait(30)  # send timeout (1 s) hit, generator closed
+    assert harness.alive()
+    s.close()
+    assert wait_until(lambda: harness.server.connections == 0)
+
+
 def test_connections_beyond_the_limit_get_503_and_slots_come_back(short_dir: Path) -> None:
     harness = start_harness(make_config(short_dir, header_timeout_s=60.0))
     try:
