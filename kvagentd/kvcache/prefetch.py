@@ -1,0 +1,215 @@
+"""Prefetch: decide which blocks should move up before a request asks for them.
+
+Four kinds, all fed by access events (`observe`) and all expressed as `Want`s:
+(a) predictive preload: per session an exponentially smoothed interval between accesses; from
+    `lead_s + interval_s` before the predicted next access (one round period plus the lead) the
+    blocks of the session's last request are wanted hot (cold -> warm -> hot);
+(b) co-access: sessions accessed within `coaccess_window_s` of each other build a weighted
+    graph; when a session is active, its strong neighbours' recent blocks are wanted warm;
+(c) neighbour: an access that found a block cold queues the session's following blocks
+    for an immediate warm prefetch (`take_urgent`);
+(d) warm-up: after a restart the hottest sessions of the persisted heat summary are loaded
+    before the first tick (`warmup_wants`).
+The prefetcher only plans; the placement service issues the moves through the store's
+background (low-priority, bounded) queue so a foreground read is never delayed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from .base import BlockKey, Tier
+from .heat import SessionHeat
+from .policy import Reason, Want
+
+
+_PREDICT = Want(Tier.HOT, Reason.PREDICT)
+_COACCESS = Want(Tier.WARM, Reason.COACCESS)
+
+
+@dataclass(slots=True)
+class _Session:
+    order: list[BlockKey] = field(default_factory=list)  # first-seen order of its blocks
+    last_keys: tuple[BlockKey, ...] = ()  # the blocks its last request touched
+    pos: dict[BlockKey, int] = field(default_factory=dict)
+    last_t: float = 0.0
+    interval: float | None = None  # smoothed inter-access interval (s)
+    accesses: int = 0
+    neighbours: dict[str, float] = field(default_factory=dict)  # co-access weights
+
+    def add_keys(self, keys: Sequence[BlockKey], limit: int) -> None:
+        for k in keys:
+            if k not in self.pos:
+                self.pos[k] = len(self.order)
+                self.order.append(k)
+        if len(self.order) > limit:
+            self.order = self.order[-limit:]
+            self.pos = {k: i for i, k in enumerate(self.order)}
+
+    def recent(self, n: int) -> list[BlockKey]:
+        return self.order[-n:] if n > 0 else []
+
+
+@dataclass(frozen=True, slots=True)
+class UrgentPrefetch:
+    keys: tuple[BlockKey, ...]
+    tier: Tier
+    reason: Reason
+
+
+class Prefetcher:
+    """Access-pattern model producing prefetch wants. Thread-safe."""
+
+    def __init__(self, *, lead_s: float = 1.0, interval_s: float = 1.0, alpha: float = 0.3,
+                 coaccess_window_s: float = 10.0, coaccess_min_weight: float = 3.0,
+                 coaccess_blocks: int = 32, neighbour_blocks: int = 8,
+                 max_sessions: int = 4096, max_session_blocks: int = 1024,
+                 max_urgent: int = 256) -> None:
+        self.lead_s = lead_s
+        self.interval_s = interval_s
+        self.alpha = alpha
+        self.coaccess_window_s = coaccess_window_s
+        self.coaccess_min_weight = coaccess_min_weight
+        self.coaccess_blocks = coaccess_blocks
+        self.neighbour_blocks = neighbour_blocks
+        self.max_sessions = max_sessions
+        self.max_session_blocks = max_session_blocks
+        self._lock = threading.Lock()
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._recent: deque[tuple[float, str]] = deque(maxlen=64)
+        self._urgent: deque[UrgentPrefetch] = deque(maxlen=max_urgent)
+        self.counts = {"predict": 0, "coaccess": 0, "neighbour": 0, "warmup": 0}
+
+    # ------------------------------------------------------------------ input
+    def observe(self, session: str, keys: Sequence[BlockKey], now: float,
+                cold_keys: Iterable[BlockKey] = ()) -> None:
+        """One access event of `session` at wall time `now`; `cold_keys` were read from cold."""
+        if not session:
+            return
+        with self._lock:
+            s = self._sessions.get(session)
+            if s is None:
+                s = self._sessions[session] = _Session()
+                while len(self._sessions) > self.max_sessions:
+                    self._sessions.popitem(last=False)
+            else:
+                self._sessions.move_to_end(session)
+                if s.accesses:
+                    gap = max(0.0, now - s.last_t)
+                    s.interval = gap if s.interval is None else (
+                        self.alpha * gap + (1.0 - self.alpha) * s.interval)
+            s.accesses += 1
+            s.last_t = now
+            s.add_keys(keys, self.max_session_blocks)
+            s.last_keys = tuple(keys)
+            self._note_coaccess(session, s, now)
+            cold = [k for k in cold_keys if k in s.pos]
+            if cold:
+                after = max(s.pos[k] for k in cold)
+                after = max(after, max((s.pos[k] for k in keys if k in s.pos), default=after))
+                nxt = tuple(s.order[after + 1: after + 1 + self.neighbour_blocks])
+                if nxt:
+                    self._urgent.append(UrgentPrefetch(nxt, Tier.WARM, Reason.NEIGHBOUR))
+                    self.counts["neighbour"] += 1
+
+    def _note_coaccess(self, session: str, s: _Session, now: float) -> None:
+        seen: set[str] = {session}
+        for t, other in reversed(self._recent):
+            if now - t > self.coaccess_window_s:
+                break
+            if other in seen:
+                continue
+            seen.add(other)
+            o = self._sessions.get(other)
+            if o is None:
+                continue
+            s.neighbours[other] = s.neighbours.get(other, 0.0) + 1.0
+            o.neighbours[session] = o.neighbours.get(session, 0.0) + 1.0
+            for node in (s, o):
+                if len(node.neighbours) > 16:
+                    weakest = min(node.neighbours, key=node.neighbours.__getitem__)
+                    del node.neighbours[weakest]
+        self._recent.append((now, session))
+
+    def forget_session(self, session: str) -> None:
+        with self._lock:
+            self._sessions.pop(session, None)
+
+    # ------------------------------------------------------------------ output
+    def predicted_next(self, session: str) -> float | None:
+        s = self._sessions.get(session)
+        if s is None or s.interval is None:
+            return None
+        return s.last_t + s.interval
+
+    def next_due(self, now: float) -> float | None:
+        """Earliest time after `now` at which a predicted session enters its horizon."""
+        horizon = self.lead_s + self.interval_s
+        with self._lock:
+            starts = (s.last_t + s.interval - horizon for s in self._sessions.values()
+                      if s.interval is not None and s.accesses >= 3)
+            return min((t for t in starts if t > now), default=None)
+
+    def wants(self, now: float) -> dict[BlockKey, Want]:
+        """Blocks to raise this round: predicted sessions -> hot, co-access neighbours -> warm."""
+        out: dict[BlockKey, Want] = {}
+        horizon = self.lead_s + self.interval_s
+        with self._lock:
+            active: list[_Session] = []
+            for s in self._sessions.values():
+                if now - s.last_t <= self.interval_s + self.coaccess_window_s:
+                    active.append(s)
+                if s.interval is None or s.accesses < 3:
+                    continue
+                due = s.last_t + s.interval
+                # due within the horizon and not long overdue (a missed beat is not a pattern)
+                if now + horizon >= due >= now - s.interval:
+                    out.update(dict.fromkeys(s.last_keys, _PREDICT))
+                    self.counts["predict"] += 1
+            for s in active:
+                for other, w in s.neighbours.items():
+                    if w < self.coaccess_min_weight:
+                        continue
+                    o = self._sessions.get(other)
+                    if o is None:
+                        continue
+                    fresh = [k for k in o.last_keys[-self.coaccess_blocks:] if k not in out]
+                    if fresh:
+                        out.update(dict.fromkeys(fresh, _COACCESS))
+                        self.counts["coaccess"] += 1
+        return out
+
+    def take_urgent(self) -> list[UrgentPrefetch]:
+        """Queued neighbour prefetches, oldest first; the queue is emptied."""
+        with self._lock:
+            out = list(self._urgent)
+            self._urgent.clear()
+            return out
+
+    def warmup_wants(self, summary: Sequence[SessionHeat], sessions: int,
+                     hot_blocks: int) -> list[tuple[list[BlockKey], Tier]]:
+        """Start-up loads: the hottest `sessions` of a heat summary, hot while `hot_blocks`
+        lasts, then warm. Returns (keys, tier) groups in load order."""
+        out: list[tuple[list[BlockKey], Tier]] = []
+        left = hot_blocks
+        for sh in list(summary)[:sessions]:
+            keys = list(sh.keys)
+            if not keys:
+                continue
+            n_hot = min(left, len(keys))
+            if n_hot:
+                out.append((keys[-n_hot:], Tier.HOT))
+                left -= n_hot
+            if n_hot < len(keys):
+                out.append((keys[: len(keys) - n_hot], Tier.WARM))
+            self.counts["warmup"] += 1
+        return out
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            predicted = sum(1 for s in self._sessions.values() if s.interval is not None)
+            return {"sessions": len(self._sessions), "predictable": predicted,
+                    "urgent_queued": len(self._urgent), **self.counts}
