@@ -88,6 +88,7 @@ class ControlHandler(BaseHTTPRequestHandler):
     bytes_in_request: int = 0
     busy: bool = False
     responded: bool = False  # a status line went out for the current request
+    body_consumed: bool = False  # the current request's body has been read off the socket
 
     # -- connection setup / teardown -------------------------------------------------------
 
@@ -115,6 +116,7 @@ class ControlHandler(BaseHTTPRequestHandler):
         self.busy = False
         self.bytes_in_request = 0
         self.responded = False
+        self.body_consumed = False
         self.deadline = time.monotonic() + self.ctl.cfg.header_timeout_s
         if self.ctl.stopping:
             self.close_connection = True
@@ -167,6 +169,9 @@ class ControlHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         except Exception as exc:  # every failure maps to one JSON error (errors.to_api_error)
+            if not self.body_consumed and self._has_body():
+                # NOTE: the unread body would be parsed as the next request on this connection.
+                self.close_connection = True
             err = to_api_error(exc)
             if not isinstance(exc, ApiError):
                 log.error("handler_failed", route=route_name, method=self.command, exc_info=exc)
@@ -206,12 +211,17 @@ class ControlHandler(BaseHTTPRequestHandler):
                       headers=headers, body=body, peer=self.peer, route=route.pattern)
         return req, route
 
+    def _has_body(self) -> bool:
+        return ("Transfer-Encoding" in self.headers
+                or self.headers.get("Content-Length", "0").strip() not in ("", "0"))
+
     def _read_body(self) -> bytes:
         if "Transfer-Encoding" in self.headers:
             self.close_connection = True
             raise LengthRequired("chunked request bodies are not accepted; send Content-Length")
         text = self.headers.get("Content-Length")
         if text is None:
+            self.body_consumed = True
             return b""
         if not text.strip().isdigit():
             self.close_connection = True
@@ -232,6 +242,7 @@ class ControlHandler(BaseHTTPRequestHandler):
         if len(body) != length:
             self.close_connection = True
             raise BadRequest("request body shorter than Content-Length")
+        self.body_consumed = True
         return body
 
     def _too_large_text(self, length: int) -> str:

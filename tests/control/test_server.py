@@ -148,6 +148,16 @@ def test_malformed_requests_get_4xx_or_5xx_json_and_server_keeps_serving(
     assert harness.alive()
 
 
+@pytest.mark.parametrize("target", ["/v1/nope", "/v1/status"])
+def test_unread_body_of_a_rejected_request_is_never_parsed_as_a_request(
+        harness: Harness, target: str) -> None:
+    smuggled = b"POST /v1/shutdown HTTP/1.1\r\nContent-Length: 0\r\n\r\n"
+    raw = harness.raw(b"POST " + target.encode() + b" HTTP/1.1\r\nContent-Length: "
+                      + str(len(smuggled)).encode() + b"\r\n\r\n" + smuggled)
+    assert raw.count(b"HTTP/1.1 ") == 1 and _status_and_body(raw)[0] in (404, 405)
+    assert harness.daemon.shutdown_requests == []
+
+
 def test_oversized_body_is_413_without_reading_it(harness: Harness) -> None:
     with harness.client() as c:
         r = c.post("/test/echo", content=b"x" * 5000)
