@@ -165,8 +165,11 @@ class Daemon:
         self.scheduler.start()
         self._build_services()
         register_all(self.router, self)
+        # NOTE: listening before the services start lets operators watch a slow start
+        # (status, readyz); every other route answers 503 not_ready until READY.
         self.server = ControlServer(cfg.control, self.router,
-                                    observe=self.core_metrics.observe_request)
+                                    observe=self.core_metrics.observe_request,
+                                    is_ready=lambda: self.ready)
         self.server.start()
         for name in SERVICE_ORDER:
             service = getattr(self, name)

@@ -116,6 +116,7 @@ class Route:
     change: bool
     handler: Handler
     regex: re.Pattern[str]
+    before_ready: bool = False
 
 
 _PARAM_RE = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -139,26 +140,27 @@ class Router:
     def __init__(self) -> None:
         self._routes: list[Route] = []
 
-    def route(self, method: str, pattern: str, change: bool | None = None
-              ) -> Callable[[Handler], Handler]:
+    def route(self, method: str, pattern: str, change: bool | None = None, *,
+              before_ready: bool = False) -> Callable[[Handler], Handler]:
         """Decorator registering `handler` for `method` `pattern`.
 
-        `change` defaults to False for GET and True for every other method.
+        `change` defaults to False for GET and True for every other method. Routes answer 503
+        `not_ready` until the daemon is ready, unless `before_ready` (liveness, status ...).
         """
         def deco(handler: Handler) -> Handler:
-            self.add(method, pattern, handler, change=change)
+            self.add(method, pattern, handler, change=change, before_ready=before_ready)
             return handler
         return deco
 
     def add(self, method: str, pattern: str, handler: Handler, *,
-            change: bool | None = None) -> Route:
+            change: bool | None = None, before_ready: bool = False) -> Route:
         method = method.upper()
         if change is None:
             change = method not in ("GET", "HEAD")
         for r in self._routes:
             if r.method == method and r.pattern == pattern:
                 raise ValueError(f"route {method} {pattern} registered twice")
-        route = Route(method, pattern, bool(change), handler, _compile(pattern))
+        route = Route(method, pattern, bool(change), handler, _compile(pattern), before_ready)
         self._routes.append(route)
         return route
 

@@ -27,7 +27,7 @@ import socketserver
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -205,6 +205,9 @@ class ControlHandler(BaseHTTPRequestHandler):
             raise BadRequest(f"bad query string: {exc}") from None
         route, params = self.ctl.router.match(self.command, path)
         self.ctl.policy.check(self.peer, self.command, path, route.change)
+        if not route.before_ready and not self.ctl.is_ready():
+            raise NotReady("kvagentd is not ready (starting or stopping); "
+                           "retry when GET /v1/readyz answers 200")
         body = self._read_body()
         headers = {k.lower(): v for k, v in self.headers.items()}
         req = Request(method=self.command, path=path, params=params, query=query,
@@ -442,8 +445,9 @@ class ControlServer:
     """The control socket: `start()` binds and serves in a thread, `stop()` drains and removes it."""
 
     def __init__(self, cfg: ControlConfig, router: Router, *, policy: AccessPolicy | None = None,
-                 observe: Any = None) -> None:
+                 observe: Any = None, is_ready: Callable[[], bool] | None = None) -> None:
         self.cfg = cfg
+        self.is_ready: Callable[[], bool] = is_ready or (lambda: True)
         self.router = router
         self.path = Path(cfg.socket)
         self.policy = policy or AccessPolicy.from_config(cfg.socket_group, cfg.operator_group)

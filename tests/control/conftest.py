@@ -168,7 +168,8 @@ def start_harness(cfg: Config, policy: Any = None) -> Harness:
     router = Router()
     core.register(router, daemon)
     server = ControlServer(cfg.control, router, policy=policy,
-                           observe=daemon.core_metrics.observe_request)
+                           observe=daemon.core_metrics.observe_request,
+                           is_ready=lambda: daemon.ready)
     h = Harness(server, daemon)
     add_test_routes(router, h)
     server.start()

@@ -43,6 +43,13 @@ def test_readyz_is_503_until_ready(short_dir: Path) -> None:
         r = h.get("/v1/readyz")
         assert r.status_code == 503
         assert r.json()["error"] == {"kind": "not_ready", "message": "kvagentd is starting"}
+        # Service routes wait for readiness; the core routes answer during a slow start.
+        r = h.get("/test/items/pump/1")
+        assert r.status_code == 503 and "GET /v1/readyz" in r.json()["error"]["message"]
+        for path in ("/v1/livez", "/v1/status", "/v1/health", "/v1/config", "/v1/metrics"):
+            assert h.get(path).status_code == 200, path
+        h.daemon.ready = True
+        assert h.get("/test/items/pump/1").status_code == 200
     finally:
         h.server.stop(1.0)
 

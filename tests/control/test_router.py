@@ -50,6 +50,12 @@ def test_change_defaults_by_method_and_can_be_explicit() -> None:
         False, True, True, False)
 
 
+def test_routes_wait_for_readiness_unless_marked() -> None:
+    r = Router()
+    assert r.add("GET", "/a", lambda req: {}).before_ready is False
+    assert r.add("GET", "/b", lambda req: {}, before_ready=True).before_ready is True
+
+
 def test_duplicate_route_and_bad_pattern_are_rejected() -> None:
     r = Router()
     r.add("GET", "/a", lambda req: {})

@@ -150,3 +150,30 @@ def test_with_field_replaces_one_nested_leaf() -> None:
                                                           drain_timeout_s=1.0))
     merged = _with_field(a, ["daemon", "log_level"], b)
     assert merged.daemon.log_level == "debug" and merged.daemon.drain_timeout_s == 10.0
+
+
+def test_socket_answers_during_a_slow_start_but_service_routes_wait(tmp: Path) -> None:
+    import httpx
+
+    seen: dict[str, Any] = {}
+    d = _daemon(tmp)
+    d.router.route("GET", "/v1/sessions")(lambda req: {"sessions": []})
+
+    class SlowEngine(FakeService):
+        def start(self) -> None:  # runs while the daemon is starting: query it like kvctl
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(d.config.control.socket)),
+                              base_url="http://kvagentd", timeout=5) as c:
+                seen["status"] = c.get("/v1/status").json()
+                seen["readyz"] = c.get("/v1/readyz").status_code
+                seen["sessions"] = c.get("/v1/sessions").status_code
+
+    d.engine = SlowEngine("engine", [])
+    d.startup()
+    try:
+        assert seen["status"]["phase"] == "starting" and seen["status"]["ready"] is False
+        assert (seen["readyz"], seen["sessions"]) == (503, 503)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(d.config.control.socket)),
+                          base_url="http://kvagentd", timeout=5) as c:
+            assert c.get("/v1/sessions").json() == {"sessions": []}
+    finally:
+        d.shutdown()

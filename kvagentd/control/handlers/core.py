@@ -15,36 +15,36 @@ def register(router: Router, daemon: Any) -> None:
     """`daemon` provides: ready, status(), health(), config, config_path, metrics,
     request_shutdown(reason)."""
 
-    @router.route("GET", "/v1/livez", change=False)
+    @router.route("GET", "/v1/livez", change=False, before_ready=True)
     def livez(req: Request) -> dict[str, Any]:
         return {"alive": True}
 
-    @router.route("GET", "/v1/readyz", change=False)
+    @router.route("GET", "/v1/readyz", change=False, before_ready=True)
     def readyz(req: Request) -> dict[str, Any]:
         if not daemon.ready:
             raise NotReady(f"kvagentd is {daemon.phase}")
         return {"ready": True}
 
-    @router.route("GET", "/v1/status", change=False)
+    @router.route("GET", "/v1/status", change=False, before_ready=True)
     def status(req: Request) -> dict[str, Any]:
         return daemon.status()
 
-    @router.route("GET", "/v1/health", change=False)
+    @router.route("GET", "/v1/health", change=False, before_ready=True)
     def health(req: Request) -> Response:
         report = daemon.health()
         return Response(report, status=503 if report["status"] == "failing" else 200)
 
-    @router.route("GET", "/v1/config", change=False)
+    @router.route("GET", "/v1/config", change=False, before_ready=True)
     def config(req: Request) -> dict[str, Any]:
         return {"path": str(daemon.config_path) if daemon.config_path else None,
                 "reloadable": sorted(RELOADABLE),
                 "config": config_to_dict(daemon.config)}
 
-    @router.route("GET", "/v1/metrics", change=False)
+    @router.route("GET", "/v1/metrics", change=False, before_ready=True)
     def metrics(req: Request) -> Response:
         return Response(generate_latest(daemon.metrics), content_type=CONTENT_TYPE_LATEST)
 
-    @router.route("POST", "/v1/shutdown", change=True)
+    @router.route("POST", "/v1/shutdown", change=True, before_ready=True)
     def shutdown(req: Request) -> dict[str, Any]:
         daemon.request_shutdown(f"api request from uid {req.peer.uid} pid {req.peer.pid}")
         return {"stopping": True}
