@@ -171,6 +171,7 @@ def test_stream_helper_yields_items_and_maps_failures(h: Harness,
     o = Opts(socket=h.path, json=False, timeout=5.0)
     assert _collect(o, "/test/stream/3") == [{"i": 0}, {"i": 1}, {"i": 2}]
     assert "".join(_collect(o, "/test/text")) == "hello world"
+    assert _collect(o, "/test/sse") == [{"token": "hel"}, "lo\nworld"]
     with pytest.raises(typer.Exit) as exc:
         _collect(o, "/test/stream-busy")
     assert exc.value.exit_code == 75

@@ -154,6 +154,10 @@ def add_test_routes(router: Router, h: Harness) -> None:
         finally:
             h.flood_closed.set()
 
+    @router.route("GET", "/test/sse")
+    def sse(req: Request) -> Response:
+        return Response(iter([{"token": "hel"}, "lo\nworld"]), content_type="text/event-stream")
+
     @router.route("GET", "/test/plain")
     def plain(req: Request) -> Response:
         return Response("plain text", content_type="text/plain")

@@ -105,6 +105,13 @@ def test_stream_of_text_pieces(harness: Harness) -> None:
         assert "".join(r.iter_text()) == "hello world"
 
 
+def test_server_sent_events(harness: Harness) -> None:
+    with harness.client() as c, c.stream("GET", "/test/sse") as r:
+        assert r.headers["content-type"] == "text/event-stream"
+        body = r.read()
+    assert body == b'data: {"token": "hel"}\n\ndata: lo\ndata: world\n\n'
+
+
 def test_stream_failing_midway_ends_with_error_line(harness: Harness) -> None:
     with harness.client() as c, c.stream("GET", "/test/stream-fails") as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]
