@@ -151,6 +151,15 @@ class HeatMap:
         self._base += shift
 
     # ------------------------------------------------------------------ reading
+    @property
+    def high_water(self) -> int:
+        """Rows in [0, high_water) have been used."""
+        return self._high
+
+    def keys(self) -> list[BlockKey]:
+        with self._lock:
+            return list(self._index)
+
     def row_of(self, key: BlockKey) -> int | None:
         return self._index.get(key)
 

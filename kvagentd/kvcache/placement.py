@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -25,13 +26,15 @@ from kvagentd.config import KVConfig, PlacementConfig
 
 from .base import BlockKey, KVStore, Tier
 from .heat import HeatMap, load_summary
-from .policy import (Action, Capacities, Move, Plan, PlacementPolicy, PolicyParams,
-                     make_policy)
+from .policy import (COLD, HOT, NONE, WARM, Action, Capacities, Move, Plan, PlacementPolicy,
+                     PolicyParams, SnapshotView, make_policy)
 from .prefetch import Prefetcher
 from .trace import TraceRecorder
 
 log = structlog.get_logger(__name__)
 
+_CODE_TIER = {HOT: Tier.HOT, WARM: Tier.WARM, COLD: Tier.COLD}
+_TIER_CODE = {v: k for k, v in _CODE_TIER.items()}
 SUMMARY_FILE = "heat-summary.json"
 SUMMARY_EVERY_ROUNDS = 60
 GC_EVERY_ROUNDS = 30
@@ -112,6 +115,7 @@ class PlacementService:
                                  "Time to plan the last round", registry=reg)
         self._m_blocks = Gauge("kvagentd_placement_blocks", "Blocks considered last round",
                                registry=reg)
+        self._tier_by_row = np.full(1024, NONE, dtype=np.int8)
         self._attach_listener()
 
     # ------------------------------------------------------------------ store wiring
@@ -126,30 +130,38 @@ class PlacementService:
         """Hot / warm capacity in blocks: from the store when it says, else from config."""
         if self._fixed_caps is not None:
             return self._fixed_caps
-        caps = getattr(self.store, "capacity_blocks", None)
-        if callable(caps):
-            return Capacities(int(caps(Tier.HOT)), int(caps(Tier.WARM)))
+        pool = getattr(self.store, "pool", None)
+        if callable(pool):
+            return Capacities(int(pool(Tier.HOT).capacity), int(pool(Tier.WARM).capacity))
         bb = self.store.geometry.block_bytes
         return Capacities(int(self.kv_config.hot_bytes) // bb,
                           int(self.kv_config.hot_bytes * self.kv_config.warm_ratio) // bb)
 
-    def _tiers_of(self, keys: Sequence[BlockKey]) -> list[Tier | None] | None:
-        fn = getattr(self.store, "tiers_of", None)
-        return list(fn(keys)) if callable(fn) else None
+    def _tiers_of(self, keys: Sequence[BlockKey]) -> list[Tier | None]:
+        """Where `keys` were at the last round (None: unknown); marks them hot from now on."""
+        rows = self.heat.rows_of(keys)
+        codes = self._tier_by_row
+        out: list[Tier | None] = []
+        for r in rows.tolist():
+            out.append(_CODE_TIER.get(int(codes[r])) if 0 <= r < codes.shape[0] else None)
+        ok = rows[(rows >= 0) & (rows < codes.shape[0])]
+        codes[ok] = HOT
+        return out
 
     # ------------------------------------------------------------------ access path
     def on_access(self, keys: Iterable[BlockKey], session: str,
                   tiers: Sequence[Tier | None] | None = None) -> None:
         """The store's access listener: cheap, never raises into the inference path.
 
-        `tiers` (where each block was when asked for) enables the trace's tier column and
-        neighbour prefetch; without it the store is asked through `tiers_of` if it has one."""
+        `tiers` says where each block was when asked for (trace column, neighbour prefetch);
+        without it, the tiers seen by the last round are used."""
         try:
             keys = list(keys)
             now = self.clock()
-            tick = self.heat.record(keys, session)
+            known = self._tiers_of(keys)
             if tiers is None:
-                tiers = self._tiers_of(keys)
+                tiers = known
+            tick = self.heat.record(keys, session)
             self.trace.record(tick, now, session, keys, tiers)
             cold = [k for k, t in zip(keys, tiers) if t is Tier.COLD] if tiers else []
             self.prefetcher.observe(session, keys, now, cold)
@@ -176,8 +188,10 @@ class PlacementService:
             now = self.clock()
             t0 = time.perf_counter()
             snap = self.store.snapshot()
-            plan = self.policy.plan(snap, self.heat, self.capacities(), now)
+            view = SnapshotView.of(snap)
+            plan = self.policy.plan(view, self.heat, self.capacities(), now)
             t1 = time.perf_counter()
+            self._note_tiers(view, plan)
             applied = self.apply(plan)
             t2 = time.perf_counter()
             self.rounds += 1
@@ -235,9 +249,24 @@ class PlacementService:
         flush()
         return moved
 
+    def _note_tiers(self, view: SnapshotView, plan: Plan) -> None:
+        """Remember each block's tier (by heat row) for the access path."""
+        rows = self.heat.rows_of(view.keys)
+        size = max(self.heat.high_water, 1)
+        if self._tier_by_row.shape[0] < size:
+            grown = np.full(size * 2, NONE, dtype=np.int8)
+            grown[: self._tier_by_row.shape[0]] = self._tier_by_row
+            self._tier_by_row = grown
+        ok = rows >= 0
+        self._tier_by_row[rows[ok]] = view.tier[ok]
+        for m in plan:
+            r = self.heat.row_of(m.key)
+            if r is not None and r < self._tier_by_row.shape[0]:
+                self._tier_by_row[r] = NONE if m.dst is None else _TIER_CODE[m.dst]
+
     def _forget_gone(self, snap: Sequence[Any]) -> None:
         known = {b.key for b in snap}
-        gone = [k for k in list(self.heat._index) if k not in known]
+        gone = [k for k in self.heat.keys() if k not in known]
         if gone:
             self.heat.forget(gone)
 

@@ -176,9 +176,14 @@ class PlacementPolicy(ABC):
         self.params = params
 
     @abstractmethod
-    def plan(self, snapshot: Sequence[BlockInfo], heat: HeatMap, capacities: Capacities,
-             now: float) -> Plan:
-        """A plan for this round; `now` is wall-clock seconds (cold TTL)."""
+    def plan(self, snapshot: Sequence[BlockInfo] | SnapshotView, heat: HeatMap,
+             capacities: Capacities, now: float) -> Plan:
+        """A plan for this round; `now` is wall-clock seconds (cold TTL). `snapshot` is the
+        store's snapshot or its columns (`SnapshotView.of(snapshot)`)."""
+
+
+def _view(snapshot: Sequence[BlockInfo] | SnapshotView) -> SnapshotView:
+    return snapshot if isinstance(snapshot, SnapshotView) else SnapshotView.of(snapshot)
 
 
 # ------------------------------------------------------------------------------------------
@@ -205,7 +210,8 @@ def _build_moves(v: SnapshotView, target: np.ndarray, score: np.ndarray, caps: C
     Promotions are taken by `score` descending; each takes room from the free slots of its
     destination or, when none is left, from the lowest-scored block that the targets demote
     out of it (recursively for hot -> warm -> cold). Remaining budget goes to the other
-    wanted demotions (restoring head-room). Demotions are emitted before promotions."""
+    wanted demotions (restoring head-room). Moves are emitted in decision order, so a
+    demotion that frees room always precedes the promotion that needs it."""
     tier = v.tier
     movable = (tier != NONE) & ~v.pinned
     free = {HOT: caps.hot - int((tier == HOT).sum()), WARM: caps.warm - int((tier == WARM).sum())}
@@ -216,8 +222,7 @@ def _build_moves(v: SnapshotView, target: np.ndarray, score: np.ndarray, caps: C
         for src in (HOT, WARM)}
     pro_idx = np.flatnonzero(up)
     pro = pro_idx[np.argsort(-score[pro_idx], kind="stable")].tolist()
-    demotions: list[Move] = []
-    promotions: list[Move] = []
+    out: list[Move] = []  # in decision order: every step fits at the moment it runs
     budget = max_moves
     keys = v.keys
 
@@ -242,7 +247,7 @@ def _build_moves(v: SnapshotView, target: np.ndarray, score: np.ndarray, caps: C
             if dst in free:
                 free[dst] -= 1
             r = Reason.CAPACITY if default_reason is Reason.HEAT else default_reason
-            demotions.append(Move(keys[i], _TIER[src], _TIER[dst], r))
+            out.append(Move(keys[i], _TIER[src], _TIER[dst], r))
             return True
         return False
 
@@ -260,14 +265,14 @@ def _build_moves(v: SnapshotView, target: np.ndarray, score: np.ndarray, caps: C
         src = int(tier[i])
         if src in free:
             free[src] += 1
-        promotions.append(Move(keys[i], _TIER[src], _TIER[dst], reason(i)))
+        out.append(Move(keys[i], _TIER[src], _TIER[dst], reason(i)))
     for src in (HOT, WARM):
         while budget > 0 and dem[src]:
             if not demote_one(src):
                 break
     evictions = tuple(Move(keys[i], Tier.COLD, None, Reason.TTL)
                       for i in np.flatnonzero(expired).tolist())
-    return tuple(demotions) + evictions + tuple(promotions)
+    return evictions + tuple(out)
 
 
 # ------------------------------------------------------------------------------------------
@@ -279,9 +284,9 @@ class LRUPolicy(PlacementPolicy):
 
     name = "lru"
 
-    def plan(self, snapshot: Sequence[BlockInfo], heat: HeatMap, capacities: Capacities,
-             now: float) -> Plan:
-        v = SnapshotView.of(snapshot)
+    def plan(self, snapshot: Sequence[BlockInfo] | SnapshotView, heat: HeatMap,
+             capacities: Capacities, now: float) -> Plan:
+        v = _view(snapshot)
         p = self.params
         expired = _expired(v, now, p.cold_ttl_s)
         score = v.last_access
@@ -314,9 +319,9 @@ class HeatPolicy(PlacementPolicy):
         `rows[i]` is the heat-map row of snapshot block i (-1: none)."""
         return {}
 
-    def plan(self, snapshot: Sequence[BlockInfo], heat: HeatMap, capacities: Capacities,
-             now: float) -> Plan:
-        v = SnapshotView.of(snapshot)
+    def plan(self, snapshot: Sequence[BlockInfo] | SnapshotView, heat: HeatMap,
+             capacities: Capacities, now: float) -> Plan:
+        v = _view(snapshot)
         p = self.params
         n = len(v)
         if n == 0:

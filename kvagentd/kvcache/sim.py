@@ -62,6 +62,7 @@ class SimCounters:
     foreground_demotions: int = 0  # demotions the store had to make on the request path
     background_promotions: int = 0
     evicted: int = 0
+    misses_by_class: dict[str, int] = field(default_factory=dict)  # non-hot reads by session kind
 
 
 class SimStore:
@@ -139,6 +140,9 @@ class SimStore:
             if b.pending is not None:
                 self._cancel(k, b)
             tiers.append(b.tier)
+            if b.tier is not Tier.HOT:
+                kind = session.split("-", 1)[0].split(":", 1)[0] + "/" + b.tier.value
+                self.c.misses_by_class[kind] = self.c.misses_by_class.get(kind, 0) + 1
             if b.tier is Tier.HOT:
                 self.c.hot_hits += 1
             elif b.tier is Tier.WARM:
@@ -154,7 +158,8 @@ class SimStore:
                 self._set_tier(k, b, Tier.HOT)
                 self.c.bytes_migrated += self.block_bytes
         if self.access_listener is not None:
-            self.access_listener(list(keys), session, tiers)
+            # as the real store: the listener hears keys and session only
+            self.access_listener(list(keys), session)
 
     # ---------------------------------------------------------------- background lane
     def complete_pending(self, now: float) -> None:
@@ -306,6 +311,7 @@ class SimResult:
                 "bytes_migrated": c.bytes_migrated, "cold_write_bytes": c.cold_write_bytes,
                 "foreground_demotions": c.foreground_demotions,
                 "background_promotions": c.background_promotions, "evicted": c.evicted,
+                "misses_by_class": dict(sorted(c.misses_by_class.items())),
                 "rounds": self.rounds, "decision_us_per_block": self.decision_us_per_block,
                 "moves": self.moves}
 
