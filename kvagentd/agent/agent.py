@@ -54,6 +54,7 @@ class AssetState:
     session_tokens: int = 0  # tokens of the current session (prompt + answer of the last turn)
     turn_tokens: int = 0  # growth of the session by the last tick
     force_rollover: bool = False
+    closed: bool = False
     ticks: int = 0
     skipped: int = 0
     missed: int = 0
@@ -120,6 +121,7 @@ class Agent:
         log.info("agent.started", assets=list(self.assets), llm=self.executor is not None)
 
     def stop(self) -> None:
+        """Remove the jobs, wait for a tick in flight and for running reports, close."""
         self._running = False
         self.scheduler.remove_listener(self._on_scheduler_event)
         for name in self.assets:
@@ -127,6 +129,9 @@ class Agent:
                 if self.scheduler.get_job(jid) is not None:
                     self.scheduler.remove_job(jid)
         self.reports.wait(timeout=30.0)
+        for st in self.assets.values():
+            with st.lock:  # a tick in flight finishes first; later ones see _closed
+                st.closed = True
         for st in self.assets.values():
             st.source.stop()
         self.events.close()
@@ -168,7 +173,10 @@ class Agent:
             log.warning("agent.tick_missed", asset=st.asset.name, missed=st.missed)
 
     def _tick_job(self, asset: str) -> None:
-        self.tick_once(asset)
+        st = self.assets[asset]
+        with st.lock:
+            if not st.closed:
+                self._tick(st)
 
     # -------------------------------------------------------------------------------- the tick
 
@@ -221,7 +229,7 @@ class Agent:
             log.info("agent.rollover", asset=st.asset.name, session=st.session)
         if st.session_tokens == 0:
             recent = prompts.summary(st.asset.name, self.events.recent(st.asset.name, SUMMARY_ROWS))
-            return st.session, prompts.first_turn(st.asset, recent, obs), prompts.SYSTEM_PROMPT
+            return st.session, prompts.first_turn(st.asset, recent, obs, now), prompts.SYSTEM_PROMPT
         return st.session, obs, prompts.SYSTEM_PROMPT
 
     def _assess(self, st: AssetState, session: str, text: str,

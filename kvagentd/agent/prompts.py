@@ -14,15 +14,15 @@ from kvagentd.agent.features import Features, bearing_frequencies
 from kvagentd.config import AssetConfig
 
 SYSTEM_PROMPT = (
-    "You are the condition-monitoring assistant of an industrial plant. Every few seconds you "
-    "receive one line of vibration features for a rotating machine: RMS velocity in mm/s over "
-    "10-1000 Hz with its ISO 10816 zone (A new, B acceptable, C restricted operation, D damage "
-    "likely), peak and crest factor, kurtosis (about 3 for a healthy machine, higher with "
-    "bearing impacts), and envelope-spectrum peaks at the bearing defect frequencies BPFO (outer "
+    "You monitor the vibration of rotating machines. Each message is one measurement: RMS "
+    "velocity (mm/s, 10-1000 Hz) with its ISO 10816 zone (A good, B acceptable, C restricted "
+    "operation, D damage likely), crest factor, kurtosis (about 3 when healthy; higher means "
+    "bearing impacts) and envelope-spectrum peaks at the bearing defect frequencies BPFO (outer "
     "race), BPFI (inner race), BSF (ball spin) and FTF (cage) as multiples of the spectrum "
-    "median. Rising 1x points to imbalance, 2x to misalignment, envelope peaks at BPFO or BPFI to "
-    "a bearing defect. Answer each line with one short sentence: the condition, the likely cause "
-    "and whether action is needed. Do not repeat the numbers."
+    "median (above 6 means a defect). Rising 1x vibration points to imbalance, 2x to "
+    "misalignment. Reply with one short sentence in the form <status>: <finding>; <action>. "
+    "Examples: \"Normal: no fault signs; no action.\" \"Alert: outer race defect, BPFO peak; "
+    "plan a bearing change.\" \"Alert: zone C vibration, likely imbalance; balance the rotor.\""
 )
 
 
@@ -43,11 +43,11 @@ def asset_profile(asset: AssetConfig) -> str:
 
 
 def observation(t: float, f: Features) -> str:
-    """One compact line of features (one user turn per tick)."""
-    env = " ".join(f"{k}={v:.1f}x" for k, v in f.envelope_ratio.items())
-    return (f"{_stamp(t)} rms={f.rms_mm_s:.2f}mm/s zone={f.zone} peak={f.peak:.2f} "
-            f"crest={f.crest:.1f} kurt={f.kurtosis:.1f} env {env}"
-            f"{' ANOMALY' if f.anomaly else ''}")
+    """One compact line of features (one user turn per tick; the date is in the profile)."""
+    env = " ".join(f"{k} {v:.1f}x" for k, v in f.envelope_ratio.items())
+    return (f"{time.strftime('%H:%M:%S', time.gmtime(t))} rms {f.rms_mm_s:.2f} mm/s zone "
+            f"{f.zone}, crest {f.crest:.1f}, kurtosis {f.kurtosis:.1f}, {env}"
+            f"{' ANOMALY' if f.anomaly else ''}. Status?")
 
 
 def summary(asset: str, rows: Iterable[Mapping[str, object]]) -> str:
@@ -80,9 +80,9 @@ def summary(asset: str, rows: Iterable[Mapping[str, object]]) -> str:
     return text
 
 
-def first_turn(asset: AssetConfig, recent: str, obs: str) -> str:
-    """The first user turn of a new session: profile, recent-state summary, observation."""
-    return f"{asset_profile(asset)}\n{recent}\n{obs}"
+def first_turn(asset: AssetConfig, recent: str, obs: str, t: float) -> str:
+    """The first user turn of a new session: profile, date, recent-state summary, observation."""
+    return f"{asset_profile(asset)} Date {_stamp(t)[:10]} (UTC).\n{recent}\n{obs}"
 
 
 def report_prompt(asset: str, stats: Mapping[str, object]) -> str:

@@ -33,7 +33,7 @@ def test_tick_writes_event_and_asks_the_model_at_tick_priority(tmp_path, fake_ex
     (req,) = fake_executor.requests
     assert req.priority == Priority.TICK and req.max_new_tokens == 17
     assert req.system == prompts.SYSTEM_PROMPT and req.session == "pump-1-1"
-    assert req.text.startswith("Asset pump-1") and "rms=" in req.text
+    assert req.text.startswith("Asset pump-1") and " rms " in req.text and req.text.endswith("Status?")
     clock.advance(3)
     ag.tick_once("pump-1")
     assert fake_executor.requests[1].text.count("\n") == 0  # later turns: one observation line
