@@ -48,6 +48,8 @@ ALIGN = 4096
 _HDR = struct.Struct("<4sHBBBB5I16s16sQQ")
 _HDR_SUM = struct.Struct("<Q")
 HEADER_BYTES = _HDR.size + _HDR_SUM.size  # padded to ALIGN on disk
+DIRECT_RUN_BYTES = 16 << 20   # one read call for up to this many bytes of adjacent raw records
+DIRECT_RUN_RECORDS = 300      # and at most this many records (3 iovecs each, IOV_MAX 1024)
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 DTYPE_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
@@ -250,6 +252,14 @@ class ColdStore(ColdBackend):
             now = time.time()
             per_buf = max(1, self._whalf // rec)
             pending = None
+            if codec.id == CodecId.RAW and all(self._direct_src_ok(blocks[i]) for i in todo):
+                try:
+                    self._put_direct(keys, blocks, todo, rec, rows, session, num_tokens, now)
+                except OSError as exc:
+                    return self._write_failed(exc, keys, todo, rows, ok)
+                self.counters["writes"] += len(todo)
+                self.counters["write_bytes"] += len(todo) * rec
+                return ok
             try:
                 for ci, start in enumerate(range(0, len(todo), per_buf)):
                     chunk = todo[start:start + per_buf]
@@ -292,6 +302,52 @@ class ColdStore(ColdBackend):
             self.counters["write_bytes"] += len(todo) * rec
             return ok
 
+    def _direct_src_ok(self, block: torch.Tensor) -> bool:
+        """A raw block can be written from its own memory (no staging copy)."""
+        if block.device.type != "cpu" or block.dtype != self.geometry.dtype \
+                or not block.is_contiguous() or block.numel() != self.geometry.block_numel:
+            return False
+        if self.geometry.block_bytes % ALIGN:
+            return False
+        return not self.o_direct_active or block.data_ptr() % ALIGN == 0
+
+    def _put_direct(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor], todo: list[int],
+                    rec: int, rows: list[tuple], session: str, num_tokens: int, now: float) -> None:
+        """Raw records written straight from the blocks' memory: header, then the payload in
+        io_unit writes; one sync per segment, then the index rows. Caller holds _write_lock."""
+        codec = self._codec
+        hdr = memoryview(self._wbuf)[:ALIGN]
+        for i in todo:
+            if self._wfd is None or self._wseg in self._retired \
+                    or self._wtail + rec > self.segment_bytes:
+                if rows:
+                    self.io.fsync(self._wfd)
+                    self._commit_rows(rows)
+                    rows.clear()
+                self._roll_segment()
+            payload = memoryview(blocks[i].reshape(-1).view(torch.uint8).numpy())
+            csum = self._pack_header(0, keys[i], codec, payload)
+            self._write_all(hdr, self._wtail)
+            self._write_all(payload, self._wtail + ALIGN)
+            rows.append((keys[i], self.namespace, self._wseg, self._wtail, rec, codec.payload_nbytes,
+                         _signed64(csum), codec.name, FORMAT_VERSION, session, num_tokens, now, now))
+            self._wtail += rec
+        if rows:
+            self.io.fsync(self._wfd)
+            self._commit_rows(rows)
+            rows.clear()
+
+    def _pack_header(self, off: int, key: BlockKey, codec: Codec, payload: memoryview) -> int:
+        """Write a record header at `_wbuf[off:]`; returns the payload checksum."""
+        shape = list(self.geometry.block_shape) + [0] * (5 - len(self.geometry.block_shape))
+        csum = xxhash.xxh3_64_intdigest(payload)
+        _HDR.pack_into(self._wbuf, off, MAGIC, FORMAT_VERSION, codec.id,
+                       DTYPE_CODES[self.geometry.dtype], len(self.geometry.block_shape), 0,
+                       *shape, key, self.namespace, codec.payload_nbytes, csum)
+        mv = memoryview(self._wbuf)
+        _HDR_SUM.pack_into(self._wbuf, off + _HDR.size, xxhash.xxh3_64_intdigest(mv[off:off + _HDR.size]))
+        return csum
+
     def _write_failed(self, exc: OSError, keys: Sequence[BlockKey], todo: list[int],
                       rows: list[tuple], ok: list[bool]) -> list[bool]:
         committed = set()
@@ -327,17 +383,10 @@ class ColdStore(ColdBackend):
             for j, b in enumerate(blocks):
                 codec.encode(b.reshape(1, *self.geometry.block_shape).cpu(), payloads[j:j + 1])
         mv = memoryview(self._wbuf)
-        shape = list(self.geometry.block_shape) + [0] * (5 - len(self.geometry.block_shape))
         sums = []
         for j, key in enumerate(keys):
             off = boff + j * rec
-            s = xxhash.xxh3_64_intdigest(mv[off + ALIGN:off + ALIGN + codec.payload_nbytes])
-            _HDR.pack_into(self._wbuf, off, MAGIC, FORMAT_VERSION, codec.id,
-                           DTYPE_CODES[self.geometry.dtype], len(self.geometry.block_shape), 0,
-                           *shape, key, self.namespace, codec.payload_nbytes, s)
-            _HDR_SUM.pack_into(self._wbuf, off + _HDR.size,
-                               xxhash.xxh3_64_intdigest(mv[off:off + _HDR.size]))
-            sums.append(s)
+            sums.append(self._pack_header(off, key, codec, mv[off + ALIGN:off + ALIGN + codec.payload_nbytes]))
         return sums
 
     def _write_all(self, data: memoryview, offset: int) -> None:
@@ -422,19 +471,28 @@ class ColdStore(ColdBackend):
             fd = self._rfds[seg] = self._open(self._seg_path(seg), os.O_RDONLY)
         return fd
 
-    def _runs(self, rows: list[tuple[int, _Row]]) -> list[list[tuple[int, _Row]]]:
-        """Group rows (sorted by segment, offset) into adjacent runs that fit a read buffer."""
+    def _runs(self, rows: list[tuple[int, _Row]],
+              direct: dict[int, bool] | None = None) -> list[list[tuple[int, _Row]]]:
+        """Group rows (sorted by segment, offset) into runs of adjacent records read with one
+        call. Staged runs fit a read buffer; direct runs (payloads straight into their
+        tensors) only need their headers to fit, up to DIRECT_RUN_BYTES."""
         cap = len(self._rbufs[0])
+        direct = direct or {}
         runs: list[list[tuple[int, _Row]]] = []
         for item in rows:
-            r = item[1]
+            i, r = item
             if runs:
-                last = runs[-1][-1][1]
+                li, last = runs[-1][-1]
                 first = runs[-1][0][1]
+                d = direct.get(i, False)
                 if (r.segment == last.segment and r.offset == last.offset + last.length
-                        and r.offset + r.length - first.offset <= cap):
-                    runs[-1].append(item)
-                    continue
+                        and d == direct.get(li, False)):
+                    span = r.offset + r.length - first.offset
+                    if (not d and span <= cap) or (d and span <= DIRECT_RUN_BYTES
+                                                   and (len(runs[-1]) + 1) * ALIGN <= cap
+                                                   and len(runs[-1]) < DIRECT_RUN_RECORDS):
+                        runs[-1].append(item)
+                        continue
             runs.append([item])
         return runs
 
@@ -486,8 +544,9 @@ class ColdStore(ColdBackend):
         todo.sort(key=lambda it: (it[1].segment, it[1].offset))
         done: list[bytes] = []
         with self._read_lock:
-            runs = self._runs(todo)
-            direct = [all(self._direct_ok(r, outs[i]) for i, r in run) for run in runs]
+            eligible = {i: self._direct_ok(r, outs[i]) for i, r in todo}
+            runs = self._runs(todo, eligible)
+            direct = [eligible[run[0][0]] for run in runs]
 
             def submit(ri: int):
                 return self._read_pool.submit(self._read_run, runs[ri], self._rbufs[ri % 2],

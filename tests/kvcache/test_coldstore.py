@@ -234,7 +234,11 @@ def test_page_sized_blocks_read_straight_into_pool_slots(make_cold, namespace, t
     assert g.block_bytes % ALIGN == 0
     cs = make_cold(geometry=g, o_direct=o_direct)
     keys, blocks = _keys(namespace, 5), _blocks(g, 5)
-    cs.put_many(keys, blocks)
+    src = BlockPool("hot", 5, g.block_shape, g.dtype)
+    for s, b in zip(src.allocate(5), blocks):
+        src.arena[s].copy_(b)
+    assert all(cs._direct_src_ok(src.arena[s]) for s in range(5))
+    assert cs.put_many(keys, [src.arena[s] for s in range(5)]) == [True] * 5
     pool = BlockPool("warm", 8, g.block_shape, g.dtype)
     slots = pool.allocate(5)
     assert pool.arena.data_ptr() % ALIGN == 0
