@@ -155,8 +155,10 @@ class FailoverColdStore(ColdBackend):
 
     def read_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         result = [False] * len(keys)
-        in_shadow = [i for i, k in enumerate(keys) if self.shadow.contains(k)]
-        rest = [i for i in range(len(keys)) if i not in set(in_shadow)]
+        shadow_empty = self.shadow.bytes_used == 0
+        in_shadow = [] if shadow_empty else [i for i, k in enumerate(keys) if self.shadow.contains(k)]
+        taken = set(in_shadow)
+        rest = [i for i in range(len(keys)) if i not in taken]
         if in_shadow:
             got = self.shadow.read_into([keys[i] for i in in_shadow], [outs[i] for i in in_shadow])
             for i, ok in zip(in_shadow, got):
