@@ -37,7 +37,17 @@ def make_config(sock_dir: Path, **control: Any) -> Config:
                               operator_group="", header_timeout_s=1.0, read_timeout_s=1.0,
                               max_connections=4, max_body_bytes=2048)
     ctl = dataclasses.replace(ctl, **control)
-    return dataclasses.replace(cfg, control=ctl)
+    # Small, private budgets and paths: a daemon built from this config must fit anywhere.
+    kv = dataclasses.replace(cfg.kv, cold_dir=sock_dir / "cold", hot_bytes=16 << 20,
+                             cold_capacity_bytes=64 << 20, segment_bytes=16 << 20,
+                             o_direct=False)
+    maint = dataclasses.replace(cfg.maintenance, shadow_dir=sock_dir / "shm",
+                                shadow_bytes=16 << 20,
+                                health_status_file=sock_dir / "state" / "ssd-health.json")
+    model = dataclasses.replace(cfg.model, source="none")
+    agent = dataclasses.replace(cfg.agent, enabled=False)
+    return dataclasses.replace(cfg, control=ctl, kv=kv, maintenance=maint, model=model,
+                               agent=agent)
 
 
 class FakeDaemon:

@@ -48,9 +48,15 @@ source = "none"
 
 [kv]
 cold_dir = "{d}/cold"
+hot_bytes = "16MiB"
+warm_ratio = 1.0
+cold_capacity_bytes = "64MiB"
+segment_bytes = "16MiB"
+o_direct = false
 
 [maintenance]
 shadow_dir = "{d}/shm"
+shadow_bytes = "16MiB"
 health_status_file = "{d}/state/ssd-health.json"
 
 [agent]

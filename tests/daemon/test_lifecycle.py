@@ -118,7 +118,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_bad_config_exits_78_naming_the_field(short_dir: Path) -> None:
     config = write_config(short_dir)
-    config.write_text(config.read_text().replace("[kv]", '[kv]\nhot_bytes = "lots"'))
+    config.write_text(config.read_text().replace('hot_bytes = "16MiB"', 'hot_bytes = "lots"'))
     r = _run_cli("run", "--config", str(config))
     assert r.returncode == 78
     assert "kv.hot_bytes" in r.stderr and "'lots'" in r.stderr and "512MiB" in r.stderr

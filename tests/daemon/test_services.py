@@ -39,7 +39,7 @@ class FakeService:
         self.reloaded.append(config)
 
 
-def _daemon(d: Path, toml: str = "") -> Daemon:
+def _daemon(d: Path, agent_toml: str = "") -> Daemon:
     path = d / "c.toml"
     path.write_text(f"""
 [daemon]
@@ -49,7 +49,21 @@ cache_dir = "{d}/cache"
 socket = "{d}/run/k.sock"
 socket_group = ""
 operator_group = ""
-{toml}
+[model]
+source = "none"
+[kv]
+cold_dir = "{d}/cold"
+hot_bytes = "16MiB"
+cold_capacity_bytes = "64MiB"
+segment_bytes = "16MiB"
+o_direct = false
+[maintenance]
+shadow_dir = "{d}/shm"
+shadow_bytes = "16MiB"
+health_status_file = "{d}/state/ssd-health.json"
+[agent]
+enabled = false
+{agent_toml}
 """)
     return Daemon(load_config(path, env={}), path, notifier=Notifier(env={}))
 
@@ -98,13 +112,14 @@ def test_status_and_health_merge_present_services_only(tmp: Path) -> None:
 
 def test_reload_applies_reloadable_fields_and_hands_config_to_services(tmp: Path) -> None:
     journal: list[str] = []
-    d = _daemon(tmp, "[agent]\ntick_interval_s = 3.0\n")
+    d = _daemon(tmp, "tick_interval_s = 3.0")
     d.agent = FakeService("agent", journal)
     d.startup()
     try:
         assert d.config_path is not None
         text = d.config_path.read_text().replace("tick_interval_s = 3.0", "tick_interval_s = 5.0")
-        d.config_path.write_text(text + "\n[kv]\nblock_tokens = 32\n")
+        d.config_path.write_text(text.replace("o_direct = false",
+                                              "o_direct = false\nblock_tokens = 32"))
         result = d.reload()
         assert result["applied"] == {"agent.tick_interval_s": [3.0, 5.0]}
         assert result["restart_required"] == ["kv.block_tokens"]
