@@ -443,8 +443,7 @@ class Daemon:
         return "; ".join(parts)
 
     def _threads_alive(self) -> bool:
-        server_ok = self.server is None or (self.server._thread is not None
-                                            and self.server._thread.is_alive())
+        server_ok = self.server is None or self.server.serving
         return server_ok and self.scheduler.running
 
     def _on_job_event(self, event: JobEvent) -> None:

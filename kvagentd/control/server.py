@@ -517,6 +517,11 @@ class ControlServer:
         return not cut
 
     @property
+    def serving(self) -> bool:
+        """True while the accept thread runs (the watchdog is withheld otherwise)."""
+        return self._thread is not None and self._thread.is_alive() and not self.stopping
+
+    @property
     def in_flight(self) -> int:
         with self._lock:
             return sum(1 for h in self._conns if h.busy)
