@@ -192,3 +192,46 @@ def test_socket_answers_during_a_slow_start_but_service_routes_wait(tmp: Path) -
             assert c.get("/v1/sessions").json() == {"sessions": []}
     finally:
         d.shutdown()
+
+
+def test_watchdog_pings_only_while_the_loop_and_its_threads_live(tmp: Path) -> None:
+    import socket as socketlib
+    import threading
+    import time
+
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    listener.bind(str(tmp / "notify.sock"))
+    listener.settimeout(5)
+    d = _daemon(tmp)
+    d.notifier = Notifier(env={"NOTIFY_SOCKET": str(tmp / "notify.sock"),
+                               "WATCHDOG_USEC": "100000"})
+    d.startup()
+    loop = threading.Thread(target=d.main_loop)
+    loop.start()
+    try:
+        def next_watchdog() -> bool:
+            end = time.monotonic() + 2
+            while time.monotonic() < end:
+                try:
+                    if listener.recv(4096) == b"WATCHDOG=1":
+                        return True
+                except TimeoutError:
+                    return False
+            return False
+
+        assert next_watchdog()
+        assert d.server is not None
+        d.server._server.shutdown()  # the accept thread dies
+        listener.settimeout(0.2)
+        while True:  # drop what was sent before the thread ended
+            try:
+                listener.recv(4096)
+            except TimeoutError:
+                break
+        listener.settimeout(1.0)
+        assert not next_watchdog()
+    finally:
+        d.request_shutdown("test")
+        loop.join(10)
+        d.shutdown()
+        listener.close()
