@@ -53,6 +53,7 @@ class HeatMap:
         self._free: list[int] = list(range(cap - 1, -1, -1))
         self._session_rows: dict[str, dict[int, None]] = {}  # session -> rows (ordered, recent last)
         self._row_session: dict[int, str] = {}
+        self.last_heat = np.zeros(0, dtype=np.float32)  # result of the latest heat() call
         self._high = 0  # rows [0, _high) have ever been used (the free list hands out low rows first)
         self._tick = 0  # absolute tick of the next event
         self._base = 0  # absolute tick of relative 0
@@ -160,6 +161,9 @@ class HeatMap:
         with self._lock:
             return list(self._index)
 
+    def key_of(self, row: int) -> BlockKey | None:
+        return self._keys[row] if 0 <= row < len(self._keys) else None
+
     def row_of(self, key: BlockKey) -> int | None:
         return self._index.get(key)
 
@@ -182,6 +186,7 @@ class HeatMap:
                 np.maximum(b, 1.0, out=b)
                 np.reciprocal(b, out=b)
                 b.sum(axis=1, out=out[lo:hi])
+            self.last_heat = out
             return out
 
     def heat_of(self, keys: Sequence[BlockKey], now: int | None = None) -> np.ndarray:

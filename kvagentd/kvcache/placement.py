@@ -172,14 +172,54 @@ class PlacementService:
             log.exception("placement.listener_failed", session=session)
 
     def flush_prefetch(self) -> int:
-        """Issue queued neighbour prefetches on the store's background queue."""
+        """Issue queued neighbour prefetches on the store's background queue (only under
+        `heat+prefetch`; other policies drop them, so policies compare cleanly)."""
         n = 0
-        for u in self.prefetcher.take_urgent():
+        urgent = self.prefetcher.take_urgent()
+        if self.policy.name != "heat+prefetch":
+            return 0
+        for u in urgent:
+            self._make_room_for(u.keys, u.tier)
             moved = self.store.promote(list(u.keys), u.tier, background=True)
             n += moved
             if moved:
                 self._m_moves.labels("promote", u.reason.value).inc(moved)
+                self._mark(u.keys, u.tier)
         return n
+
+    def _make_room_for(self, keys: Sequence[BlockKey], tier: Tier) -> int:
+        """Demote the coldest blocks of `tier` (by the last round's heat) so a prefetch of
+        `keys` finds room; the store only promotes into free slots."""
+        codes = self._tier_by_row
+        code = _TIER_CODE[tier]
+        rows = self.heat.rows_of(list(keys))
+        ok = rows[(rows >= 0) & (rows < codes.shape[0])]
+        need = int(np.count_nonzero(codes[ok] != code)) + int(np.count_nonzero(rows < 0))
+        caps = self.capacities()
+        cap = caps.hot if tier is Tier.HOT else caps.warm if tier is Tier.WARM else 0
+        members = np.flatnonzero(codes == code)
+        short = need - (cap - members.size)
+        if tier is Tier.COLD or short <= 0:
+            return 0
+        heat = self.heat.last_heat
+        score = np.zeros(members.size, dtype=np.float32)
+        inside = members < heat.shape[0]
+        score[inside] = heat[members[inside]]
+        members = members[~np.isin(members, ok)]
+        score = score[~np.isin(np.flatnonzero(codes == code), ok)]
+        victims = members[np.argsort(score, kind="stable")[:short]].tolist()
+        vkeys = [k for k in (self.heat.key_of(r) for r in victims) if k is not None]
+        lower = Tier.WARM if tier is Tier.HOT else Tier.COLD
+        moved = self.store.demote(vkeys, lower) if vkeys else 0
+        if moved:
+            self._m_moves.labels("demote", "capacity").inc(moved)
+            self._mark(vkeys, lower)
+        return moved
+
+    def _mark(self, keys: Sequence[BlockKey], tier: Tier) -> None:
+        rows = self.heat.rows_of(list(keys))
+        ok = rows[(rows >= 0) & (rows < self._tier_by_row.shape[0])]
+        self._tier_by_row[ok] = _TIER_CODE[tier]
 
     # ------------------------------------------------------------------ rounds
     def run_round(self) -> Plan:

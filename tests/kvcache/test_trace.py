@@ -48,3 +48,68 @@ def test_load_rejects_a_foreign_file(tmp_path):
     p.write_text('{"something": 1}\n')
     with pytest.raises(ValueError):
         load_trace(p)
+
+
+def _call(router, method, path, body=b"", query=None):
+    from kvagentd.control.router import Peer, Request as HttpRequest
+
+    route, params = router.match(method, path)
+    return route, route.handler(HttpRequest(method, path, params, query or {}, {}, body,
+                                            Peer(1, 0, 0), route.pattern))
+
+
+def test_control_routes_dump_stream_and_status(tmp_path):
+    import json
+    import types
+
+    from kvagentd.config import KVConfig, PlacementConfig
+    from kvagentd.control.errors import BadRequest, NotReady
+    from kvagentd.control.handlers import placement as handler
+    from kvagentd.control.router import Response, Router
+    from kvagentd.kvcache.placement import PlacementService
+    from kvagentd.kvcache.policy import Capacities
+    from kvagentd.kvcache.sim import Latencies, SimClock, SimStore
+
+    clock = SimClock(5.0)
+    store = SimStore(Capacities(4, 4), Latencies(), 100, clock)
+    svc = PlacementService(store, PlacementConfig(), KVConfig(), clock=clock,
+                           capacities=Capacities(4, 4), persist_summary=False)
+    store.access("a", [k(1), k(2)])
+    daemon = types.SimpleNamespace(placement=svc)
+    router = Router()
+    handler.register(router, daemon)
+    route, st = _call(router, "GET", "/v1/placement")
+    assert not route.change and st["policy"] == "heat+prefetch" and st["heat"]["blocks"] == 2
+    route, out = _call(router, "POST", "/v1/trace/dump",
+                       json.dumps({"path": str(tmp_path / "t.jsonl")}).encode())
+    assert route.change and out["events"] == 2
+    assert [e.key for e in load_trace(tmp_path / "t.jsonl")] == [k(1), k(2)]
+    with pytest.raises(BadRequest):
+        _call(router, "POST", "/v1/trace/dump", b'{"path": "relative.jsonl"}')
+    _, summary = _call(router, "GET", "/v1/trace")
+    assert summary["events"] == 2 and summary["sessions"] == 1
+    _, resp = _call(router, "GET", "/v1/trace", query={"format": "ndjson"})
+    assert isinstance(resp, Response)
+    lines = "".join(resp.body).splitlines()
+    assert json.loads(lines[0]) == {"kvagentd_trace": 1} and len(lines) == 3
+    router2 = Router()
+    handler.register(router2, types.SimpleNamespace(placement=None))
+    with pytest.raises(NotReady):
+        _call(router2, "GET", "/v1/placement")
+
+
+def test_kvctl_trace_commands_register():
+    import typer
+    from typer.testing import CliRunner
+
+    from kvctl import cmd_trace
+
+    app = typer.Typer()
+    app.command("noop")(lambda: None)
+    cmd_trace.register(app)
+    out = CliRunner().invoke(app, ["trace", "--help"])
+    assert out.exit_code == 0 and "dump" in out.output and "stats" in out.output
+    text = cmd_trace.render_stats({"capacity": 10, "events": 3, "recorded": 5, "sessions": 1,
+                                   "blocks": 2, "first_tick": 0, "last_tick": 2, "span_s": 1.5,
+                                   "by_tier": {"hot": 1, "cold": 2}})
+    assert "cold" in text and "3" in text

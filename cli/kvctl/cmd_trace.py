@@ -1,0 +1,46 @@
+"""kvctl trace dump FILE | trace stats."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvctl import render
+from kvctl.common import JsonOpt, SocketOpt, TimeoutOpt, call, opts
+
+trace_app = typer.Typer(help="Block access trace of the placement service.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(trace_app, name="trace")
+
+
+def render_stats(d: dict[str, Any]) -> str:
+    tiers = d.get("by_tier") or {}
+    rows = [{"tier": t, "events": tiers.get(t, 0)} for t in ("hot", "warm", "cold", "unknown")]
+    return (render.kv({k: d.get(k) for k in ("capacity", "events", "recorded", "sessions",
+                                             "blocks", "first_tick", "last_tick")})
+            + f"\nspan: {render.duration(d.get('span_s'))}\n\n"
+            + render.table(rows, [("tier", "tier at access"), ("events", "events")]))
+
+
+@trace_app.command("dump")
+def dump(ctx: typer.Context,
+         file: Annotated[Path, typer.Argument(help="where the daemon writes the trace "
+                                                   "(.npz: numpy archive, else JSON lines)")],
+         socket: SocketOpt = None, json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
+    """Write the daemon's recent block accesses to FILE (written by the daemon's user)."""
+    o = opts(ctx, socket, json_out, timeout)
+    data = call(o, "POST", "/v1/trace/dump", body={"path": os.path.abspath(file)})
+    render.emit(o, data, lambda d: f"wrote {d['events']} events to {d['path']}")
+
+
+@trace_app.command("stats")
+def stats(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
+          timeout: TimeoutOpt = None) -> None:
+    """How many access events the trace ring holds, by tier at access."""
+    o = opts(ctx, socket, json_out, timeout)
+    render.emit(o, call(o, "GET", "/v1/trace", params={"format": "summary"}), render_stats)
