@@ -97,7 +97,7 @@ class Agent:
         self.started_at: float | None = None
         self._running = False
         start = clock()
-        stale = max(2.0 * config.tick_interval_s, 2.0) + max(a.window_s for a in config.assets)
+        stale = max(2.0 * config.tick_interval_s, 2.0) + max((a.window_s for a in config.assets), default=1.0)
         self.assets: dict[str, AssetState] = {}
         for a in config.assets:
             src = make_source(a, start_time=start, stale_after_s=stale, clock=clock)
@@ -130,7 +130,7 @@ class Agent:
                     self.scheduler.remove_job(jid)
         self.reports.wait(timeout=30.0)
         for st in self.assets.values():
-            with st.lock:  # a tick in flight finishes first; later ones see _closed
+            with st.lock:  # a tick in flight finishes first; later ones see `closed`
                 st.closed = True
         for st in self.assets.values():
             st.source.stop()
@@ -184,6 +184,8 @@ class Agent:
         """Run one tick for `asset` now; returns its event row."""
         st = self.assets[asset]
         with st.lock:
+            if st.closed:
+                raise RuntimeError("the agent is stopped")
             return self._tick(st)
 
     def _tick(self, st: AssetState) -> dict[str, Any]:
