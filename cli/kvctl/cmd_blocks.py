@@ -29,7 +29,8 @@ def render_blocks(data: dict[str, Any]) -> str:
     for name in ("hot", "warm", "cold"):
         t = data.get("tiers", {}).get(name, {})
         cap = t.get("capacity") if name != "cold" else t.get("capacity_bytes")
-        rows.append({"tier": name, "blocks": t.get("blocks"), "bytes": render.size(t.get("bytes")),
+        used = t.get("bytes_used", t.get("bytes")) if name == "cold" else t.get("bytes")
+        rows.append({"tier": name, "blocks": t.get("blocks"), "bytes": render.size(used),
                      "capacity": (f"{cap} blocks" if name != "cold" else render.size(cap))
                      if cap is not None else None,
                      "frag": None if t.get("fragmentation") is None else f"{100 * t['fragmentation']:.1f}%"})

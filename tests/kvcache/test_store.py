@@ -4,6 +4,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 from kvagentd.kvcache.base import Tier
@@ -258,3 +259,28 @@ def test_verify_repair_marks_cold_only_blocks_lost(make_store, tmp_path):
     assert report["repaired"] == 1
     assert st.match_prefix(toks).num_tokens == 4 and st.stats()["states"].get("lost") == 1
     st.check_integrity()
+
+
+def test_from_config_builds_tiers_from_kv_section(tmp_path, geometry, namespace):
+    import dataclasses
+
+    from kvagentd.config import KVConfig
+    from kvagentd.kvcache.store import from_config
+
+    bb = geometry.block_bytes
+    kv = dataclasses.replace(KVConfig(), hot_bytes=8 * bb, warm_ratio=0.5, cold_dir=tmp_path / "c",
+                             cold_capacity_bytes=1 << 22, segment_bytes=1 << 20, cold_codec="int8")
+    st = from_config(kv, geometry, namespace, "cpu")
+    stats = st.stats()
+    assert stats["tiers"]["hot"]["capacity"] == 8 and stats["tiers"]["warm"]["capacity"] == 4
+    assert stats["tiers"]["cold"]["codec"] == "int8"
+    compute_blocks(st, "a", list(range(8)), 0, 2)
+    st.release("a")
+    st.close()
+    st = from_config(kv, geometry, namespace, "cpu")
+    assert st.match_prefix(list(range(8))).num_tokens == 8
+    r = st.ensure_resident(st.match_prefix(list(range(8))).keys, "a")
+    got = [st.hot_arena()[s].flatten()[0].item() for s in r.slots]
+    want = [fill_value(k) for k in st.block_keys(list(range(8)))]
+    assert got == pytest.approx(want, rel=0.01)  # int8 round trip of a constant block
+    st.close()
