@@ -10,6 +10,11 @@ hot slot right after the last layer produced it. Between requests the hot pool i
 the working copy is scratch that `Workspaces` reuses, so steady state allocates nothing.
 
 Works as `cache=` for a Llama-style model's forward and for `generate`.
+
+NOTE: built on the public `Cache` API, not on transformers' continuous-batching
+`PagedAttentionCache`: that one is an engine with its own scheduler whose block ids mean
+nothing across requests or restarts, with no disk tier and no checksums. Here blocks are
+content-addressed and owned by the tiered store; the engine only borrows hot slots.
 """
 
 from __future__ import annotations
