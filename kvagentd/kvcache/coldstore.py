@@ -127,11 +127,7 @@ class ColdStore(ColdBackend):
         self._write_lock = threading.Lock()   # write staging, active segment
         self._read_lock = threading.Lock()    # read staging, read fds
         self.io.makedirs(str(self.directory))
-        self._db = sqlite3.connect(str(self.directory / "index.sqlite3"), check_same_thread=False,
-                                   isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._db = self._open_index()
         rec = self._rec_len[self._codec.id]
         # two halves: one is written while the next batch is encoded into the other
         self._whalf = max(self.io_unit, rec * max(1, read_batch_bytes // rec))
@@ -153,6 +149,41 @@ class ColdStore(ColdBackend):
             self._bytes_used = self._db.execute(
                 "SELECT COALESCE(SUM(length), 0) FROM blocks").fetchone()[0]
         self._closed = False
+
+    def _open_index(self) -> sqlite3.Connection:
+        """Open (or create) the index. An unreadable index is set aside, not trusted: the
+        store starts empty and the old segments are garbage (costs recomputation, never
+        wrong KV)."""
+        path = self.directory / "index.sqlite3"
+        for attempt in range(2):
+            db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.executescript(_SCHEMA)
+                db.execute("SELECT COUNT(*) FROM blocks").fetchone()
+                if attempt:
+                    self._discard_old_segments(db)
+                return db
+            except sqlite3.DatabaseError as exc:
+                db.close()
+                if attempt:
+                    raise
+                aside = path.with_name(f"index.sqlite3.corrupt-{int(time.time())}")
+                log.error("cold_index_unreadable", path=str(path), error=str(exc), moved_to=str(aside))
+                for suffix in ("", "-wal", "-shm"):
+                    src = Path(str(path) + suffix)
+                    if src.exists():
+                        self.io.rename(str(src), str(aside) + suffix)
+        raise AssertionError("unreachable")
+
+    def _discard_old_segments(self, db: sqlite3.Connection) -> None:
+        """After starting a new index: old segment files are unindexed garbage; remove them."""
+        for p in self.directory.glob("seg-*.kvs"):
+            try:
+                self.io.unlink(str(p))
+            except OSError as exc:
+                log.warning("cold_unlink_failed", path=str(p), error=str(exc))
 
     # -- small helpers ---------------------------------------------------------------------
     def _codec_for(self, cid: int) -> Codec:
@@ -237,8 +268,11 @@ class ColdStore(ColdBackend):
         rec = self._rec_len[codec.id]
         with self._write_lock:
             with self._lock:
-                present = {r[0] for r in self._db.execute(
-                    f"SELECT key FROM blocks WHERE key IN ({','.join('?' * n)})", list(keys))}
+                present = set()
+                for i in range(0, n, 500):
+                    part = list(keys[i:i + 500])
+                    present.update(r[0] for r in self._db.execute(
+                        f"SELECT key FROM blocks WHERE key IN ({','.join('?' * len(part))})", part))
             todo = [i for i in range(n) if keys[i] not in present]
             ok = [True] * n
             if not todo:

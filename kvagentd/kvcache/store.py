@@ -39,6 +39,7 @@ log = structlog.get_logger(__name__)
 AccessListener = Callable[[list[BlockKey], str], None]
 _RANK = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
 _BG_BATCH = 8  # background promotions per cold read: bounds how long a foreground read waits
+_PERSIST = "\x00persist"  # holder of the use-references taken while persisting
 
 
 class TieredKVStore(KVStore):
@@ -597,29 +598,37 @@ class TieredKVStore(KVStore):
         return report
 
     # -- shutdown ----------------------------------------------------------------------------
-    def persist(self) -> int:
-        """Write hot and warm blocks that sessions reference to the cold tier and save the
-        session map; returns how many blocks were written."""
+    def persist(self, batch: int = 64) -> int:
+        """Write hot and warm blocks that sessions reference to the cold tier (from their
+        slots, held against moves meanwhile; GPU blocks staged through host memory a batch at
+        a time) and save the session map; returns how many blocks were written."""
         if self._cold is None:
             return 0
         written = 0
         with self._cond:
             todo = [m for m in self._meta.values()
                     if m.tier in (Tier.HOT, Tier.WARM) and m.sessions and not m.in_cold]
-            items = []
             for m in todo:
-                arena = self._pools[m.tier].arena
-                items.append((m, arena[m.slot].to("cpu", copy=True) if arena.device.type != "cpu"
-                              else arena[m.slot].clone()))
+                m.users += 1
+            self._held.setdefault(_PERSIST, []).extend(m.key for m in todo)
         put_many = getattr(self._cold, "put_many", None)
-        if items:
-            keys, blocks = [m.key for m, _ in items], [b for _, b in items]
-            res = put_many(keys, blocks) if put_many else [self._cold.put(k, b) for k, b in zip(keys, blocks)]
-            with self._cond:
-                for (m, _), r in zip(items, res):
-                    if r:
-                        m.in_cold = True
-                        written += 1
+        try:
+            for i in range(0, len(todo), batch):
+                part = todo[i:i + batch]
+                blocks = []
+                for m in part:
+                    b = self._pools[m.tier].arena[m.slot]
+                    blocks.append(b if b.device.type == "cpu" else b.to("cpu"))
+                keys = [m.key for m in part]
+                res = put_many(keys, blocks) if put_many else \
+                    [self._cold.put(k, b) for k, b in zip(keys, blocks)]
+                with self._cond:
+                    for m, r in zip(part, res):
+                        if r:
+                            m.in_cold = True
+                            written += 1
+        finally:
+            self.release(_PERSIST)
         save = getattr(self._cold, "save_refs", None)
         if save is not None:
             with self._cond:
@@ -629,7 +638,7 @@ class TieredKVStore(KVStore):
                         for s in m.sessions:
                             refs.setdefault(s, []).append(m.key)
             save(refs)
-        log.info("store_persisted", written=written, of=len(items))
+        log.info("store_persisted", written=written, of=len(todo))
         return written
 
     def close(self) -> None:

@@ -254,3 +254,16 @@ def test_page_sized_blocks_read_straight_into_pool_slots(make_cold, namespace, t
     cs = make_cold(geometry=g, o_direct=o_direct)
     assert cs.read_into(keys, outs) == [True, True, False, True, True]
     assert torch.equal(outs[3], blocks[3]) and cs.stats()["corrupt"] == 1
+
+
+def test_unreadable_index_is_set_aside_and_never_trusted(make_cold, geometry, namespace, tmp_path):
+    cs = make_cold()
+    keys = _keys(namespace, 2)
+    cs.put_many(keys, _blocks(geometry, 2))
+    cs.close()
+    (tmp_path / "cold" / "index.sqlite3").write_bytes(b"this is not a database" * 100)
+    cs = make_cold()
+    assert cs.keys() == [] and cs.bytes_used == 0
+    assert list((tmp_path / "cold").glob("index.sqlite3.corrupt-*"))
+    assert not list((tmp_path / "cold").glob("seg-*.kvs"))
+    assert cs.put_many(keys, _blocks(geometry, 2, seed=3)) == [True, True]

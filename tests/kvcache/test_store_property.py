@@ -94,6 +94,13 @@ class StoreMachine(RuleBasedStateMachine):
         if used and free:
             self.store.relocate(tier, [(data.draw(st.sampled_from(used)), data.draw(st.sampled_from(free)))])
 
+    @rule()
+    def persist(self):
+        self.store.persist()
+        for b in self.store.snapshot():
+            if b.sessions and b.tier is not None:
+                assert self.cold.contains(b.key)
+
     @invariant()
     def integrity(self):
         self.store.check_integrity()
