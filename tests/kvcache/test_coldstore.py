@@ -267,3 +267,19 @@ def test_unreadable_index_is_set_aside_and_never_trusted(make_cold, geometry, na
     assert list((tmp_path / "cold").glob("index.sqlite3.corrupt-*"))
     assert not list((tmp_path / "cold").glob("seg-*.kvs"))
     assert cs.put_many(keys, _blocks(geometry, 2, seed=3)) == [True, True]
+
+
+def test_capacity_evicts_other_models_records_first(make_cold, geometry, namespace):
+    rec = ALIGN + ((geometry.block_bytes + ALIGN - 1) // ALIGN) * ALIGN
+    ours = make_cold(capacity_bytes=3 * rec)
+    keys = _keys(namespace, 3)
+    ours.put_many(keys[:2], _blocks(geometry, 2))
+    ours.close()
+    other_ns = make_namespace("retired-model", torch.float32, 4)
+    other = make_cold(capacity_bytes=3 * rec, namespace=other_ns)
+    other_keys = _keys(other_ns, 1)
+    assert other.put_many(other_keys, _blocks(geometry, 1)) == [True]  # the newest record
+    other.close()
+    ours = make_cold(capacity_bytes=3 * rec)
+    assert ours.put(keys[2], _blocks(geometry, 1)[0])
+    assert set(ours.keys()) == set(keys) and ours.bytes_used == 3 * rec

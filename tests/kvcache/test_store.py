@@ -284,3 +284,21 @@ def test_from_config_builds_tiers_from_kv_section(tmp_path, geometry, namespace)
     want = [fill_value(k) for k in st.block_keys(list(range(8)))]
     assert got == pytest.approx(want, rel=0.01)  # int8 round trip of a constant block
     st.close()
+
+
+def test_pools_never_reallocate_and_stats_are_json(make_store):
+    import json
+
+    st = make_store(hot=3, warm=2)
+    hot, warm = st.hot_arena(), st.warm_arena()
+    ptrs = (hot.data_ptr(), warm.data_ptr())
+    toks = list(range(40))
+    for i in range(0, 10, 2):
+        compute_blocks(st, "s", toks, i, 2)
+        st.release("s")
+    _check_resident(st, st.block_keys(toks)[:3], "t")
+    st.release("t")
+    assert st.hot_arena() is hot and st.warm_arena() is warm
+    assert (hot.data_ptr(), warm.data_ptr()) == ptrs
+    json.dumps(st.stats())
+    json.dumps(st.status())
