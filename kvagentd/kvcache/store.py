@@ -92,6 +92,10 @@ class TieredKVStore(KVStore):
                 for k in ks:
                     if k in self._meta:
                         self._meta[k].sessions.add(session)
+            for key, _last, session in rows:  # after a crash: the writer's session, if any
+                m = self._meta[key]
+                if session and not m.sessions:
+                    m.sessions.add(session)
         if hasattr(cold, "on_evict"):
             cold.on_evict = self._on_cold_evict
         log.info("store_index_loaded", blocks=len(rows), sessions=len(refs))

@@ -302,3 +302,12 @@ def test_pools_never_reallocate_and_stats_are_json(make_store):
     assert (hot.data_ptr(), warm.data_ptr()) == ptrs
     json.dumps(st.stats())
     json.dumps(st.status())
+
+
+def test_after_a_crash_cold_blocks_keep_their_writing_session(make_store):
+    st = make_store(hot=4, warm=4, persist_on_shutdown=False)
+    keys = compute_blocks(st, "pump-2", list(range(8)), 0, 2)
+    st.release("pump-2")
+    st.demote(keys, Tier.COLD)  # written with the session, the refs table never saved
+    st2 = make_store(hot=4, warm=4)  # a second process over the same directory, as after a kill
+    assert st2.session_blocks() == {"pump-2": {"hot": 0, "warm": 0, "cold": 2, "other": 0}}
