@@ -289,6 +289,10 @@ class TieredKVStore(KVStore):
             self._cold.delete([m.key for m in lost])  # unreadable; recomputed and re-committed
         return sum(ok)
 
+    def _count(self, name: str, n: int) -> None:
+        with self._cond:
+            self.counters[name] += n
+
     def _movable(self, m: BlockMeta) -> bool:
         return m.users == 0 and m.tier is not None
 
@@ -348,7 +352,7 @@ class TieredKVStore(KVStore):
                     moved += self._migrate(rest, Tier.COLD, make_room=False)
             else:
                 moved = self._migrate(keys, Tier.COLD, make_room=False)
-            self.counters["demoted"] += moved
+            self._count("demoted", moved)
             if moved == 0:
                 return False
         with self._cond:
@@ -359,9 +363,9 @@ class TieredKVStore(KVStore):
             try:
                 self._bg.put_nowait((list(keys), tier))
             except queue.Full:
-                self.counters["prefetch_dropped"] += len(keys)
+                self._count("prefetch_dropped", len(keys))
                 return 0
-            self.counters["prefetch_queued"] += len(keys)
+            self._count("prefetch_queued", len(keys))
             if self._bg_thread is None:
                 self.start()
             return len(keys)
@@ -369,7 +373,7 @@ class TieredKVStore(KVStore):
             up = [k for k in keys if (m := self._meta.get(k)) is not None and m.tier is not None
                   and _RANK[m.tier] > _RANK[tier]]
         moved = self._migrate(up, tier, make_room=False) if up else 0
-        self.counters["promoted"] += moved
+        self._count("promoted", moved)
         return moved
 
     def _bg_loop(self) -> None:
@@ -389,7 +393,7 @@ class TieredKVStore(KVStore):
             down = [k for k in keys if (m := self._meta.get(k)) is not None and m.tier is not None
                     and _RANK[m.tier] < _RANK[tier] and m.pins == 0]
         moved = self._migrate(down, tier, make_room=True) if down else 0
-        self.counters["demoted"] += moved
+        self._count("demoted", moved)
         return moved
 
     def pin(self, keys: Sequence[BlockKey]) -> None:
