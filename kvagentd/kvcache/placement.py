@@ -43,7 +43,7 @@ GC_EVERY_ROUNDS = 30
 def params_of(cfg: PlacementConfig, kv: KVConfig) -> PolicyParams:
     return PolicyParams(hot_factor=cfg.hot_factor, warm_factor=cfg.warm_factor,
                         hysteresis=cfg.hysteresis, window_fraction=cfg.window_fraction,
-                        cold_ttl_s=kv.cold_ttl_s)
+                        cold_ttl_s=kv.cold_ttl_s, active_s=2.0 * cfg.interval_s)
 
 
 def make_prefetcher(cfg: PlacementConfig) -> Prefetcher:
@@ -195,25 +195,39 @@ class PlacementService:
         rows = self.heat.rows_of(list(keys))
         ok = rows[(rows >= 0) & (rows < codes.shape[0])]
         need = int(np.count_nonzero(codes[ok] != code)) + int(np.count_nonzero(rows < 0))
-        caps = self.capacities()
-        cap = caps.hot if tier is Tier.HOT else caps.warm if tier is Tier.WARM else 0
+        if tier is Tier.COLD:
+            return 0
         members = np.flatnonzero(codes == code)
-        short = need - (cap - members.size)
-        if tier is Tier.COLD or short <= 0:
+        pool = getattr(self.store, "pool", None)
+        if callable(pool):
+            free = int(pool(tier).num_free)
+        else:
+            caps = self.capacities()
+            free = (caps.hot if tier is Tier.HOT else caps.warm) - members.size
+        short = need - free
+        if short <= 0:
             return 0
         heat = self.heat.last_heat
+        members = members[~np.isin(members, ok)]
         score = np.zeros(members.size, dtype=np.float32)
         inside = members < heat.shape[0]
         score[inside] = heat[members[inside]]
-        members = members[~np.isin(members, ok)]
-        score = score[~np.isin(np.flatnonzero(codes == code), ok)]
-        victims = members[np.argsort(score, kind="stable")[:short]].tolist()
-        vkeys = [k for k in (self.heat.key_of(r) for r in victims) if k is not None]
+        order = members[np.argsort(score, kind="stable")].tolist()
         lower = Tier.WARM if tier is Tier.HOT else Tier.COLD
-        moved = self.store.demote(vkeys, lower) if vkeys else 0
-        if moved:
-            self._m_moves.labels("demote", "capacity").inc(moved)
-            self._mark(vkeys, lower)
+        moved = 0
+        # the tier view is as of the last round: a candidate that has moved since is skipped
+        # by the store and forgotten here, and the next coldest is tried (a few passes)
+        for _ in range(4):
+            if short <= 0 or not order:
+                break
+            batch, order = order[:short], order[short:]
+            vkeys = [k for k in (self.heat.key_of(r) for r in batch) if k is not None]
+            n = self.store.demote(vkeys, lower) if vkeys else 0
+            moved += n
+            short -= n
+            self._tier_by_row[batch] = NONE
+            if n:
+                self._m_moves.labels("demote", "capacity").inc(n)
         return moved
 
     def _mark(self, keys: Sequence[BlockKey], tier: Tier) -> None:

@@ -2,7 +2,7 @@
 
 A `Plan` is a tuple of `Move`s, ordered so that demotions free room before promotions use it,
 that never takes a tier over its capacity at any step (given a start within capacity), and
-that holds at most `max_moves` migrations (evictions are not counted: they move no data).
+that holds at most `max_moves` migrations plus at most `max_moves` evictions.
 
 Policies (peers, selectable by `placement.policy`):
 - `lru`: keeps head-room in hot and warm by demoting the least recently used idle blocks;
@@ -20,6 +20,7 @@ access is older than the cold TTL are evicted.
 from __future__ import annotations
 
 import enum
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -138,6 +139,7 @@ class PolicyParams:
     window_fraction: float = 0.25
     cold_ttl_s: float = 3600.0
     headroom_fraction: float = HEADROOM_FRACTION
+    active_s: float = 2.0  # used this recently: never demoted just to restore head-room
 
     def max_moves(self, caps: Capacities) -> int:
         return max(1, int(self.window_fraction * caps.hot))
@@ -204,13 +206,15 @@ def _take_top(order: np.ndarray, eligible: np.ndarray, k: int) -> np.ndarray:
 
 def _build_moves(v: SnapshotView, target: np.ndarray, score: np.ndarray, caps: Capacities,
                  max_moves: int, reasons: Mapping[int, Reason], default_reason: Reason,
-                 expired: np.ndarray) -> tuple[Move, ...]:
+                 expired: np.ndarray, bonus: float = 1.0,
+                 active_since: float = float("inf")) -> tuple[Move, ...]:
     """Turn per-block target codes into a capped, feasible, ordered move list.
 
     Promotions are taken by `score` descending; each takes room from the free slots of its
     destination or, when none is left, from the lowest-scored block that the targets demote
     out of it (recursively for hot -> warm -> cold). Remaining budget goes to the other
-    wanted demotions (restoring head-room). Moves are emitted in decision order, so a
+    wanted hot -> warm demotions that fit free warm slots (restoring hot head-room without
+    writing to cold: warm -> cold happens only when a block needs the room). Moves are emitted in decision order, so a
     demotion that frees room always precedes the promotion that needs it."""
     tier = v.tier
     movable = (tier != NONE) & ~v.pinned
@@ -229,16 +233,26 @@ def _build_moves(v: SnapshotView, target: np.ndarray, score: np.ndarray, caps: C
     def reason(i: int) -> Reason:
         return reasons.get(i, default_reason)
 
-    def demote_one(src: int) -> bool:
-        """Demote the coldest wanted block out of `src`; False if impossible."""
+    def demote_one(src: int, voluntary: bool = False) -> bool:
+        """Demote the coldest wanted block out of `src`; False if impossible. A voluntary
+        demotion (head-room only) never writes to cold and never displaces another block."""
         nonlocal budget
         q = dem[src]
         while q:
             i = q[0]
             dst = int(target[i])
+            if voluntary:
+                if src == WARM or free[WARM] <= 0:
+                    return False
+                if v.last_access[i] > active_since:
+                    q.popleft()  # in active use: the next request would only pull it back
+                    continue
+                dst = WARM
             if dst == WARM and free[WARM] <= 0:
                 if budget < 2 or not demote_one(WARM):
-                    return False
+                    # warm is full of blocks that are themselves going up (a swap): the
+                    # victim goes straight to cold, as the store's own fallback does
+                    dst = COLD
             if budget < 1:
                 return False
             q.popleft()
@@ -256,6 +270,10 @@ def _build_moves(v: SnapshotView, target: np.ndarray, score: np.ndarray, caps: C
             break
         dst = int(target[i])
         if free[dst] <= 0:
+            # hysteresis: displace a block only for a clearly hotter one
+            q = dem[dst]
+            if q and score[i] <= score[q[0]] * bonus:
+                continue
             if budget < 2 or not demote_one(dst):
                 continue
         if budget < 1:
@@ -266,12 +284,14 @@ def _build_moves(v: SnapshotView, target: np.ndarray, score: np.ndarray, caps: C
         if src in free:
             free[src] += 1
         out.append(Move(keys[i], _TIER[src], _TIER[dst], reason(i)))
-    for src in (HOT, WARM):
-        while budget > 0 and dem[src]:
-            if not demote_one(src):
-                break
-    evictions = tuple(Move(keys[i], Tier.COLD, None, Reason.TTL)
-                      for i in np.flatnonzero(expired).tolist())
+    while budget > 0 and dem[HOT]:
+        if not demote_one(HOT, voluntary=True):
+            break
+    # evictions move no data but each unlinks a record: oldest first, as many as migrations
+    exp = np.flatnonzero(expired)
+    if exp.size > max_moves:
+        exp = exp[np.argsort(v.last_access[exp], kind="stable")[:max_moves]]
+    evictions = tuple(Move(keys[i], Tier.COLD, None, Reason.TTL) for i in exp.tolist())
     return evictions + tuple(out)
 
 
@@ -300,12 +320,12 @@ class LRUPolicy(PlacementPolicy):
                 victims = cand[np.argsort(score[cand], kind="stable")][:excess]
                 target[victims] = nxt
         moves = _build_moves(v, target, score, capacities, p.max_moves(capacities), {},
-                             Reason.LRU, expired)
+                             Reason.LRU, expired, 1.0, now - p.active_s)
         return Plan(moves, self.name, len(v))
 
 
 def _headroom(cap: int, p: PolicyParams) -> int:
-    return int(cap * p.headroom_fraction) if cap >= 20 else 0
+    return int(math.ceil(cap * p.headroom_fraction)) if cap >= 4 else 0
 
 
 class HeatPolicy(PlacementPolicy):
@@ -397,7 +417,7 @@ class HeatPolicy(PlacementPolicy):
         for i in reasons:
             score[i] += 1e9
         moves = _build_moves(v, target, score, capacities, p.max_moves(capacities), reasons,
-                             Reason.HEAT, expired)
+                             Reason.HEAT, expired, float(bonus), now - p.active_s)
         return Plan(moves, self.name, n, mean)
 
 

@@ -5,7 +5,8 @@ Four kinds, all fed by access events (`observe`) and all expressed as `Want`s:
     `lead_s + interval_s` before the predicted next access (one round period plus the lead) the
     blocks of the session's last request are wanted hot (cold -> warm -> hot);
 (b) co-access: sessions accessed within `coaccess_window_s` of each other build a weighted
-    graph; when a session is active, its strong neighbours' recent blocks are wanted warm;
+    graph (one count per episode, so a periodic session does not pair with everything);
+    when a session is active, its strong neighbours' recent blocks are wanted warm;
 (c) neighbour: an access that found a block cold queues the session's following blocks
     for an immediate warm prefetch (`take_urgent`);
 (d) warm-up: after a restart the hottest sessions of the persisted heat summary are loaded
@@ -39,6 +40,7 @@ class _Session:
     interval: float | None = None  # smoothed inter-access interval (s)
     accesses: int = 0
     neighbours: dict[str, float] = field(default_factory=dict)  # co-access weights
+    paired: dict[str, float] = field(default_factory=dict)  # last time seen with a session
 
     def add_keys(self, keys: Sequence[BlockKey], limit: int) -> None:
         for k in keys:
@@ -126,12 +128,21 @@ class Prefetcher:
             o = self._sessions.get(other)
             if o is None:
                 continue
+            # one count per episode: a pair seen again within the window is the same episode
+            if now - s.paired.get(other, -1e18) <= self.coaccess_window_s:
+                s.paired[other] = o.paired[session] = now
+                continue
+            s.paired[other] = o.paired[session] = now
             s.neighbours[other] = s.neighbours.get(other, 0.0) + 1.0
             o.neighbours[session] = o.neighbours.get(session, 0.0) + 1.0
             for node in (s, o):
                 if len(node.neighbours) > 16:
                     weakest = min(node.neighbours, key=node.neighbours.__getitem__)
                     del node.neighbours[weakest]
+                if len(node.paired) > 64:
+                    for name in [n for n, t in node.paired.items()
+                                 if now - t > self.coaccess_window_s]:
+                        del node.paired[name]
         self._recent.append((now, session))
 
     def forget_session(self, session: str) -> None:

@@ -48,6 +48,12 @@ class _Block:
     info: BlockInfo | None = None  # cached snapshot row; None after any change
 
 
+@dataclass(frozen=True, slots=True)
+class _PoolView:
+    capacity: int
+    num_free: int
+
+
 @dataclass(slots=True)
 class SimCounters:
     hot_hits: int = 0
@@ -84,6 +90,11 @@ class SimStore:
         self.seen: set[BlockKey] = set()
 
     # ---------------------------------------------------------------- capacity
+    def pool(self, tier: Tier) -> _PoolView:
+        """Capacity and free slots of hot / warm (the store's `pool(tier)` surface)."""
+        cap = self.caps.hot if tier is Tier.HOT else self.caps.warm
+        return _PoolView(cap, max(0, self._room(tier)))
+
     def _room(self, tier: Tier) -> int:
         if tier is Tier.COLD:
             return 1 << 60
@@ -112,7 +123,7 @@ class SimStore:
         _, victim = min(cands)
         nxt = Tier.WARM if tier is Tier.HOT else Tier.COLD
         if not self._make_room(nxt, protect):
-            return False
+            nxt = Tier.COLD  # as the store does: warm cannot take it, so straight to cold
         self._set_tier(victim, self.blocks[victim], nxt)
         self.c.bytes_migrated += self.block_bytes
         self.c.foreground_demotions += 1
