@@ -32,7 +32,7 @@ from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdBackend, KVGeometry,
                                    MatchResult, Residency, Tier)
 from kvagentd.kvcache.migration import Migrator
 from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.state import BlockMeta, BlockState, IntegrityError, transition
+from kvagentd.kvcache.state import STATE_TIER, BlockMeta, BlockState, IntegrityError, transition
 
 log = structlog.get_logger(__name__)
 
@@ -154,14 +154,19 @@ class TieredKVStore(KVStore):
                 m.sessions.add(session)
                 self._held.setdefault(session, []).append(k)
                 metas.append(m)
-            source = [m.tier for m in metas]
-        if self._staged:
-            self._bring(metas, Tier.WARM, only_from=Tier.COLD)
-        self._bring(metas, Tier.HOT)
+            # where each block comes from (another request may be moving a shared block now)
+            source = [m.tier or STATE_TIER[m.src_state] for m in metas]
+        for _ in range(3):  # a shared block may be mid-way through another request's move
+            if self._staged:
+                self._bring(metas, Tier.WARM, only_from=Tier.COLD)
+            self._bring(metas, Tier.HOT)
+            with self._cond:
+                while any(m.state is BlockState.MIGRATING for m in metas):
+                    self._cond.wait()
+                if all(m.state in (BlockState.HOT, BlockState.LOST) for m in metas):
+                    break
         loaded = {"hot": 0, "warm": 0, "cold": 0}
         with self._cond:
-            while any(m.state is BlockState.MIGRATING for m in metas):
-                self._cond.wait()
             n_ok = len(metas)
             for i, m in enumerate(metas):
                 if m.state is not BlockState.HOT:
