@@ -214,9 +214,9 @@ def rss_bytes() -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="accelerated 72 h soak")
     ap.add_argument("--hours", type=float, default=72.0)
-    ap.add_argument("--assets", type=int, default=3, help="synthetic assets (store traffic)")
+    ap.add_argument("--assets", type=int, default=2, help="synthetic assets (store traffic)")
     ap.add_argument("--agent-every", type=int, default=40, help="real agent tick every N ticks")
-    ap.add_argument("--llm-every", type=int, default=400, help="LLM step every N ticks (0: none)")
+    ap.add_argument("--llm-every", type=int, default=1200, help="LLM step every N ticks (0: none)")
     ap.add_argument("--log-level", default="error", help="structlog level for the run")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -278,7 +278,7 @@ def _run(args: argparse.Namespace, root: Path, shadow: Path, clock: SimClock, c:
         health.HealthState.OK, clock(), "/dev/nvme0n1",
         health.SmartData("nvme-cli", 3, 0, 0, 100, 10), ()))
     m = Maintenance(cfg, store, cold, None)
-    m.health.clock = clock
+    m.monitor.clock = clock
     engine = agent = None
     if loaded is not None:
         from apscheduler.schedulers.background import BackgroundScheduler

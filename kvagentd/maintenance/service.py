@@ -83,7 +83,7 @@ class Maintenance:
         self.store, self.cold, self.scheduler = store, cold, scheduler
         self.is_idle = _as_idle(is_idle)
         self.failover = cold if isinstance(cold, FailoverColdStore) else None
-        self.health = HealthMonitor(
+        self.monitor = HealthMonitor(
             config, store=store, cold=cold,
             on_failure=self.failover.activate if self.failover else None,
             on_probe=self.failover.probe if self.failover else None)
@@ -127,7 +127,7 @@ class Maintenance:
     def reload(self, config: Config) -> None:
         """Apply new timer intervals (the reloadable maintenance fields)."""
         self.config = config
-        self.health.cfg = config
+        self.monitor.cfg = config
         if self.started and self.scheduler is not None:
             m = config.maintenance
             for job_id, every in (("maintenance.defrag", m.defrag_interval_s),
@@ -140,9 +140,27 @@ class Maintenance:
         return {"fragmentation": self.fragmentation(),
                 "defrag": {"runs": self.defrag_runs, "skipped_busy": self.defrag_skipped_busy,
                            "last": self.last_defrag},
-                "health": self.health.status(),
+                "health": self.monitor.status(),
                 "failover": self.failover_status(),
                 "scrub": self.scrubber.status() if self.scrubber else None}
+
+    def health(self) -> dict[str, Any]:
+        """The daemon's health check: degraded while the shadow serves cold or the SSD is
+        read-only or failing; never failing (the service continues either way)."""
+        issues = []
+        if self.failover is not None and self.failover.serving.value != "ssd":
+            st = self.failover.status()
+            issues.append(f"cold tier on the shadow since {st['since']:.0f} ({st['reason']})")
+        last = self.monitor.last
+        if last is not None:
+            if last.cold_read_only:
+                issues.append("cold tier read-only (SSD wear)")
+            if last.state in ("failed", "worn"):
+                issues.append(f"SSD health {last.state}")
+        if issues:
+            return {"status": "degraded", "detail": "; ".join(issues)}
+        state = last.state if last is not None else "not checked yet"
+        return {"status": "ok", "detail": f"cold tier on the SSD; SSD health {state}"}
 
     # ---- jobs ----------------------------------------------------------------------------
     def _defrag_job(self) -> None:
@@ -161,7 +179,7 @@ class Maintenance:
                 return
 
     def _health_job(self) -> None:
-        self.health.check()
+        self.monitor.check()
 
     def _scrub_job(self) -> None:
         if self.scrubber is not None:

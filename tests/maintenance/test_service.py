@@ -84,6 +84,7 @@ def test_health_status_failed_fails_over_and_probes_fail_back(env):
                         health.HealthStatus(health.HealthState.FAILED, 0.0, "/dev/x", s, ("ro",)))
     m._health_job()
     assert cold.serving is ServingTier.SHADOW
+    assert m.health()["status"] == "degraded" and "shadow" in m.health()["detail"]
     assert cold.put(key(2), block(2)) and cold.shadow.contains(key(2))
     s = health.SmartData("nvme-cli", 10, 5, 0, 100, 10)
     health.write_status(cfg.maintenance.health_status_file,
@@ -93,6 +94,7 @@ def test_health_status_failed_fails_over_and_probes_fail_back(env):
     m._health_job()
     assert cold.serving is ServingTier.SSD and cold.shadow.keys() == []
     assert cold.primary.contains(key(2))
+    assert m.health() == {"status": "ok", "detail": "cold tier on the SSD; SSD health ok"}
 
 
 def test_wear_makes_the_cold_tier_read_only(env):
@@ -100,7 +102,7 @@ def test_wear_makes_the_cold_tier_read_only(env):
     s = health.SmartData("nvme-cli", 91, 0, 0, 100, 10)
     health.write_status(cfg.maintenance.health_status_file,
                         health.HealthStatus(health.HealthState.WORN, 0.0, "/dev/x", s, ("wear",)))
-    rep = m.health.check()
+    rep = m.monitor.check()
     assert rep.cold_read_only and cold.primary.read_only
     assert cold.put(key(3), block(3)) is False and cold.serving is ServingTier.SSD
 
