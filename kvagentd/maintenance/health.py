@@ -354,8 +354,12 @@ class HealthMonitor:
         evicted = 0
         if free is not None and free < m.free_space_floor_bytes:
             evicted = self.evict_for(m.free_space_floor_bytes - free)
+            reclaimed = 0
+            if evicted and hasattr(self.cold, "compact"):
+                # Dropping index rows frees nothing on disk until the segments are rewritten.
+                reclaimed = int(self.cold.compact(0.25) or 0)
             warnings.append(f"free space {free} B below floor {m.free_space_floor_bytes} B: "
-                            f"evicted {evicted} cold blocks")
+                            f"evicted {evicted} cold blocks, compaction reclaimed {reclaimed} B")
         for w in warnings:
             log.warning("ssd_health", warning=w)
         self.last = HealthReport(status.state.value, self._read_only_by_wear, free,

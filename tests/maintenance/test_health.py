@@ -218,3 +218,35 @@ def test_main_writes_unknown_without_tools(tmp_path, monkeypatch, capsys):
         FileNotFoundError(f"{argv[0]} not installed")))
     assert health.main(["--config", str(toml), "--write", "--device", "/dev/nvme9n9"]) == 0
     assert health.read_status(tmp_path / "s.json").state in (HealthState.UNKNOWN,)
+
+
+def test_free_space_floor_on_a_real_cold_store_reclaims_disk(tmp_path):
+    """Evicted records are compacted away, so the floor check actually frees disk."""
+    import torch
+
+    from kvagentd.kvcache.coldstore import ColdStore
+
+    from .conftest import GEOM, NS, block, key
+
+    cold = ColdStore(tmp_path / "cold", GEOM, NS, capacity_bytes=64 << 20, segment_bytes=64 << 10,
+                     o_direct=False)
+    for i in range(40):
+        assert cold.put(key(i), block(i))
+    rows = [BlockInfo(key(i), Tier.COLD, False, False, (), float(i), 8192) for i in range(40)]
+
+    class Store(FakeStore):
+        def evict(self, keys):
+            self.evicted += list(keys)
+            return cold.evict(keys)
+
+    store = Store(rows)
+    disk_before = cold.stats()["disk_bytes"]
+    mon = health.HealthMonitor(cfg_for(tmp_path, free_space_floor_bytes=200_000), store=store,
+                               cold=cold, clock=lambda: 100.0, disk_usage=lambda p: 0)
+    r = mon.check()
+    assert r.evicted_blocks == len(store.evicted) > 0
+    assert store.evicted == [key(i) for i in range(len(store.evicted))]  # oldest first
+    assert cold.stats()["disk_bytes"] < disk_before
+    outs = [torch.empty(GEOM.block_shape)]
+    assert cold.read_into([key(39)], outs) == [True] and torch.equal(outs[0], block(39))
+    cold.close()
