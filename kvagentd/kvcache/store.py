@@ -237,10 +237,14 @@ class TieredKVStore(KVStore):
                 priv.remove(s)
                 m = self._meta.get(key)
                 if m is not None and m.state is BlockState.LOST:
+                    # recomputed: the fresh copy revives the block in place, so requests that
+                    # hold it (and its pins and sessions) keep referring to the same block
                     transition(m, BlockState.FREE)
-                    del self._meta[key]
-                    m = None
-                if m is not None:  # the same content exists: keep it, free the duplicate
+                    m.slot, m.in_cold = s, False
+                    m.version += 1
+                    transition(m, BlockState.HOT)
+                    self._owners[Tier.HOT][s] = key
+                elif m is not None:  # the same content exists: keep it, free the duplicate
                     self._pools[Tier.HOT].free([s])
                     self.counters["dedup"] += 1
                 else:
@@ -291,7 +295,9 @@ class TieredKVStore(KVStore):
             lost = self._mig.complete(moves, ok)
             self.counters["lost"] += len(lost)
         if lost and self._cold is not None:
-            self._cold.delete([m.key for m in lost])  # unreadable; recomputed and re-committed
+            with self._cond:  # unreadable records go; a block revived meanwhile keeps its own
+                gone = [m.key for m in lost if m.state is BlockState.LOST]
+            self._cold.delete(gone)
         return sum(ok)
 
     def _count(self, name: str, n: int) -> None:

@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
+import errno
 import random
 import threading
 
+import pytest
+
 from kvagentd.kvcache.base import Tier
+from kvagentd.kvcache.fileio import FileIO
 
 from .conftest import fill_value
 
 PREFIXES = [list(range(p, p + 4)) * 2 for p in (0, 100, 200)]  # 2 blocks each, shared
 
 
-def test_concurrent_requests_moves_and_relocation(make_store):
-    st = make_store(hot=6, warm=3)
+class _FlakyReads(FileIO):
+    """Every fifth read fails with EIO."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def preadv(self, fd, buffers, offset):
+        with self.lock:
+            self.n += 1
+            fail = self.n % 5 == 0
+        if fail:
+            raise OSError(errno.EIO, "injected")
+        return super().preadv(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("faults", [False, True])
+def test_concurrent_requests_moves_and_relocation(make_store, make_cold, faults):
+    cold = make_cold(file_io=_FlakyReads()) if faults else True
+    st = make_store(hot=6, warm=3, cold=cold)
     errors: list[str] = []
     stop = threading.Event()
 
@@ -58,7 +80,9 @@ def test_concurrent_requests_moves_and_relocation(make_store):
                 continue
             pick = rng.sample(keys, min(3, len(keys)))
             op = rng.random()
-            if op < 0.3:
+            if op < 0.05:
+                st.evict(pick[:1])
+            elif op < 0.3:
                 st.demote(pick, rng.choice([Tier.WARM, Tier.COLD]))
             elif op < 0.6:
                 st.promote(pick, rng.choice([Tier.HOT, Tier.WARM]), background=rng.random() < 0.5)
@@ -80,6 +104,8 @@ def test_concurrent_requests_moves_and_relocation(make_store):
     for t in movers:
         t.join(30)
         assert not t.is_alive()
+    st.check_integrity()
+    if faults:
+        assert st.stats()["tiers"]["cold"]["io_errors"] > 0
     st.close()
     assert not errors, errors[:5]
-    st.check_integrity()
