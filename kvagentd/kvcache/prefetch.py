@@ -1,12 +1,15 @@
 """Prefetch: decide which blocks should move up before a request asks for them.
 
 Four kinds, all fed by access events (`observe`) and all expressed as `Want`s:
-(a) predictive preload: per session an exponentially smoothed interval between accesses; from
+(a) predictive preload: per session an exponentially smoothed interval between accesses (and
+    its spread); for sessions with a steady beat (spread <= max_cv x interval), from
     `lead_s + interval_s` before the predicted next access (one round period plus the lead) the
     blocks of the session's last request are wanted hot (cold -> warm -> hot);
 (b) co-access: sessions accessed within `coaccess_window_s` of each other build a weighted
     graph (one count per episode, so a periodic session does not pair with everything);
-    when a session is active, its strong neighbours' recent blocks are wanted warm;
+    when a session is active, the recent blocks of neighbours it met in at least
+    `coaccess_min_share` of the rarer one's episodes (and `coaccess_min_weight` times) are
+    wanted warm;
 (c) neighbour: an access that found a block cold queues the session's following blocks
     for an immediate warm prefetch (`take_urgent`);
 (d) warm-up: after a restart the hottest sessions of the persisted heat summary are loaded
@@ -38,6 +41,8 @@ class _Session:
     pos: dict[BlockKey, int] = field(default_factory=dict)
     last_t: float = 0.0
     interval: float | None = None  # smoothed inter-access interval (s)
+    var: float = 0.0  # smoothed variance of the interval
+    episodes: int = 0  # runs of accesses separated by more than the co-access window
     accesses: int = 0
     neighbours: dict[str, float] = field(default_factory=dict)  # co-access weights
     paired: dict[str, float] = field(default_factory=dict)  # last time seen with a session
@@ -67,6 +72,7 @@ class Prefetcher:
 
     def __init__(self, *, lead_s: float = 1.0, interval_s: float = 1.0, alpha: float = 0.3,
                  coaccess_window_s: float = 10.0, coaccess_min_weight: float = 3.0,
+                 coaccess_min_share: float = 0.5, max_cv: float = 0.5,
                  coaccess_blocks: int = 32, neighbour_blocks: int = 8,
                  max_sessions: int = 4096, max_session_blocks: int = 1024,
                  max_urgent: int = 256) -> None:
@@ -75,6 +81,8 @@ class Prefetcher:
         self.alpha = alpha
         self.coaccess_window_s = coaccess_window_s
         self.coaccess_min_weight = coaccess_min_weight
+        self.coaccess_min_share = coaccess_min_share
+        self.max_cv = max_cv
         self.coaccess_blocks = coaccess_blocks
         self.neighbour_blocks = neighbour_blocks
         self.max_sessions = max_sessions
@@ -101,8 +109,14 @@ class Prefetcher:
                 self._sessions.move_to_end(session)
                 if s.accesses:
                     gap = max(0.0, now - s.last_t)
-                    s.interval = gap if s.interval is None else (
-                        self.alpha * gap + (1.0 - self.alpha) * s.interval)
+                    if s.interval is None:
+                        s.interval = gap
+                    else:
+                        diff = gap - s.interval
+                        s.interval += self.alpha * diff
+                        s.var = (1.0 - self.alpha) * (s.var + self.alpha * diff * diff)
+            if not s.accesses or now - s.last_t > self.coaccess_window_s:
+                s.episodes += 1
             s.accesses += 1
             s.last_t = now
             s.add_keys(keys, self.max_session_blocks)
@@ -150,6 +164,11 @@ class Prefetcher:
             self._sessions.pop(session, None)
 
     # ------------------------------------------------------------------ output
+    def _regular(self, s: _Session) -> bool:
+        """Enough history and a steady beat (interval spread <= max_cv x interval)."""
+        return (s.interval is not None and s.accesses >= 3 and s.interval > 0.0
+                and s.var ** 0.5 <= self.max_cv * s.interval)
+
     def predicted_next(self, session: str) -> float | None:
         s = self._sessions.get(session)
         if s is None or s.interval is None:
@@ -161,7 +180,7 @@ class Prefetcher:
         horizon = self.lead_s + self.interval_s
         with self._lock:
             starts = (s.last_t + s.interval - horizon for s in self._sessions.values()
-                      if s.interval is not None and s.accesses >= 3)
+                      if self._regular(s) and s.interval is not None)
             return min((t for t in starts if t > now), default=None)
 
     def wants(self, now: float) -> dict[BlockKey, Want]:
@@ -173,7 +192,7 @@ class Prefetcher:
             for s in self._sessions.values():
                 if now - s.last_t <= self.interval_s + self.coaccess_window_s:
                     active.append(s)
-                if s.interval is None or s.accesses < 3:
+                if not self._regular(s):
                     continue
                 due = s.last_t + s.interval
                 # due within the horizon and not long overdue (a missed beat is not a pattern)
@@ -185,7 +204,8 @@ class Prefetcher:
                     if w < self.coaccess_min_weight:
                         continue
                     o = self._sessions.get(other)
-                    if o is None:
+                    # association, not coincidence: together in most episodes of the rarer one
+                    if o is None or w < self.coaccess_min_share * min(s.episodes, o.episodes):
                         continue
                     fresh = [k for k in o.last_keys[-self.coaccess_blocks:] if k not in out]
                     if fresh:

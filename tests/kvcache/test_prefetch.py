@@ -28,6 +28,15 @@ def test_predictive_preload_fires_shortly_before_the_next_access():
     assert p.wants(30.0) == {}  # long overdue: a missed beat is not a pattern
 
 
+def test_an_irregular_session_is_not_predicted():
+    p = Prefetcher(lead_s=1.0, interval_s=1.0)
+    t = 0.0
+    for gap in (1.0, 9.0, 1.5, 8.0, 1.0, 9.0):
+        t += gap
+        p.observe("a", [k("a", 0)], t)
+    assert not any(p.wants(x) for x in (t + 1.0, t + 3.0, t + 5.0, t + 7.0))
+
+
 def test_interval_is_exponentially_smoothed():
     p = Prefetcher(alpha=0.5)
     for t in (0.0, 2.0, 6.0):
