@@ -15,12 +15,18 @@ segment, so torn tails are never overwritten or read. `bytes_used` is recomputed
 on open. Every read verifies header and payload checksums; a failure returns False and is
 counted, and a segment that produced an I/O error is retired (never written again).
 
+The index shares the disk: a full or failing disk surfaces as `sqlite3.Error`. An index write
+that fails rolls its transaction back and the put returns False (a counted write failure);
+last-access updates of reads are deferred and batched, and dropped (counted) when they cannot
+be written, so they never fail a read of a record that verified.
+
 Nothing in a record is deserialized with pickle or `torch.load`: a tampered file can fail a
 checksum, never execute code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -50,6 +56,8 @@ _HDR_SUM = struct.Struct("<Q")
 HEADER_BYTES = _HDR.size + _HDR_SUM.size  # padded to ALIGN on disk
 DIRECT_RUN_BYTES = 16 << 20   # one read call for up to this many bytes of adjacent raw records
 DIRECT_RUN_RECORDS = 300      # and at most this many records (3 iovecs each, IOV_MAX 1024)
+TOUCH_BATCH = 4096            # deferred last-access updates written together ...
+TOUCH_EVERY_S = 1.0           # ... or after this long
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 DTYPE_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
@@ -143,7 +151,10 @@ class ColdStore(ColdBackend):
         self._retired: set[int] = set()
         self.counters = dict(reads=0, read_bytes=0, corrupt=0, missing=0, io_errors=0,
                              writes=0, write_bytes=0, write_failures=0, evicted=0,
-                             compacted_bytes=0, retired_segments=0)
+                             compacted_bytes=0, retired_segments=0, index_errors=0,
+                             touch_dropped=0)
+        self._touch_pending: dict[bytes, float] = {}
+        self._touch_flushed = time.monotonic()
         with self._lock:
             self._db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
             self._bytes_used = self._db.execute(
@@ -186,6 +197,26 @@ class ColdStore(ColdBackend):
                 log.warning("cold_unlink_failed", path=str(p), error=str(exc))
 
     # -- small helpers ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _txn(self):
+        """One index transaction (caller holds _lock): committed, or rolled back when a
+        statement fails, and the error re-raised."""
+        self._db.execute("BEGIN")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                try:
+                    self._db.execute("ROLLBACK")
+                except sqlite3.Error as exc:
+                    log.error("cold_index_rollback_failed", error=str(exc))
+            raise
+
+    def _index_failed(self, what: str, exc: sqlite3.Error) -> None:
+        self.counters["index_errors"] += 1
+        log.error("cold_index_failed", op=what, error=str(exc), directory=str(self.directory))
+
     def _codec_for(self, cid: int) -> Codec:
         c = self._codecs.get(cid)
         if c is None:
@@ -264,77 +295,98 @@ class ColdStore(ColdBackend):
             return []
         if self._read_only:
             return [False] * n
+        with self._write_lock:
+            try:
+                return self._put_locked(keys, blocks, session, num_tokens)
+            except sqlite3.Error as exc:
+                return self._put_index_failed(exc, keys)
+
+    def _put_index_failed(self, exc: sqlite3.Error, keys: Sequence[BlockKey]) -> list[bool]:
+        """The index refused a write (disk full or failing): rows not committed are failed
+        puts; their segment bytes are unindexed garbage. Caller holds _write_lock."""
+        self._index_failed("put", exc)
+        try:
+            done = set(self._rows(keys))
+        except sqlite3.Error:
+            done = set()
+        ok = [k in done for k in keys]
+        self.counters["write_failures"] += ok.count(False)
+        return ok
+
+    def _put_locked(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor] | torch.Tensor,
+                    session: str, num_tokens: int) -> list[bool]:
+        """`put_many` with _write_lock held; index errors raise (sqlite3.Error)."""
+        n = len(keys)
         codec = self._codec
         rec = self._rec_len[codec.id]
-        with self._write_lock:
-            with self._lock:
-                present = set()
-                for i in range(0, n, 500):
-                    part = list(keys[i:i + 500])
-                    present.update(r[0] for r in self._db.execute(
-                        f"SELECT key FROM blocks WHERE key IN ({','.join('?' * len(part))})", part))
-            todo = [i for i in range(n) if keys[i] not in present]
-            ok = [True] * n
-            if not todo:
-                return ok
-            if not self._make_room(len(todo) * rec):
-                for i in todo:
-                    ok[i] = False
-                self.counters["write_failures"] += len(todo)
-                return ok
-            rows: list[tuple] = []
-            now = time.time()
-            per_buf = max(1, self._whalf // rec)
-            pending = None
-            if codec.id == CodecId.RAW and all(self._direct_src_ok(blocks[i]) for i in todo):
-                try:
-                    self._put_direct(keys, blocks, todo, rec, rows, session, num_tokens, now)
-                except OSError as exc:
-                    return self._write_failed(exc, keys, todo, rows, ok)
-                self.counters["writes"] += len(todo)
-                self.counters["write_bytes"] += len(todo) * rec
-                return ok
+        with self._lock:
+            present = set()
+            for i in range(0, n, 500):
+                part = list(keys[i:i + 500])
+                present.update(r[0] for r in self._db.execute(
+                    f"SELECT key FROM blocks WHERE key IN ({','.join('?' * len(part))})", part))
+        todo = [i for i in range(n) if keys[i] not in present]
+        ok = [True] * n
+        if not todo:
+            return ok
+        if not self._make_room(len(todo) * rec):
+            for i in todo:
+                ok[i] = False
+            self.counters["write_failures"] += len(todo)
+            return ok
+        rows: list[tuple] = []
+        now = time.time()
+        per_buf = max(1, self._whalf // rec)
+        pending = None
+        if codec.id == CodecId.RAW and all(self._direct_src_ok(blocks[i]) for i in todo):
             try:
-                for ci, start in enumerate(range(0, len(todo), per_buf)):
-                    chunk = todo[start:start + per_buf]
-                    if self._wfd is None or self._wseg in self._retired \
-                            or self._wtail + len(chunk) * rec > self.segment_bytes:
-                        if pending is not None:
-                            pending.result()
-                            pending = None
-                        if rows:
-                            self.io.fsync(self._wfd)
-                            self._commit_rows(rows)
-                            rows = []
-                        self._roll_segment()
-                    seg, base, boff = self._wseg, self._wtail, (ci % 2) * self._whalf
-                    sums = self._encode_records(codec, [keys[i] for i in chunk],
-                                                [blocks[i] for i in chunk], boff)
-                    if pending is not None:
-                        pending.result()
-                    pending = self._write_pool.submit(
-                        self._write_all, memoryview(self._wbuf)[boff:boff + len(chunk) * rec], base)
-                    for j, i in enumerate(chunk):
-                        rows.append((keys[i], self.namespace, seg, base + j * rec, rec,
-                                     codec.payload_nbytes, _signed64(sums[j]), codec.name,
-                                     FORMAT_VERSION, session, num_tokens, now, now))
-                    self._wtail = base + len(chunk) * rec
-                if pending is not None:
-                    pending.result()
-                    pending = None
-                if rows:
-                    self.io.fsync(self._wfd)
-                    self._commit_rows(rows)
+                self._put_direct(keys, blocks, todo, rec, rows, session, num_tokens, now)
             except OSError as exc:
-                if pending is not None:  # never reuse the buffer under a write in flight
-                    try:
-                        pending.result()
-                    except OSError as late:
-                        log.debug("cold_write_also_failed", error=str(late))
                 return self._write_failed(exc, keys, todo, rows, ok)
             self.counters["writes"] += len(todo)
             self.counters["write_bytes"] += len(todo) * rec
             return ok
+        try:
+            for ci, start in enumerate(range(0, len(todo), per_buf)):
+                chunk = todo[start:start + per_buf]
+                if self._wfd is None or self._wseg in self._retired \
+                        or self._wtail + len(chunk) * rec > self.segment_bytes:
+                    if pending is not None:
+                        pending.result()
+                        pending = None
+                    if rows:
+                        self.io.fsync(self._wfd)
+                        self._commit_rows(rows)
+                        rows = []
+                    self._roll_segment()
+                seg, base, boff = self._wseg, self._wtail, (ci % 2) * self._whalf
+                sums = self._encode_records(codec, [keys[i] for i in chunk],
+                                            [blocks[i] for i in chunk], boff)
+                if pending is not None:
+                    pending.result()
+                pending = self._write_pool.submit(
+                    self._write_all, memoryview(self._wbuf)[boff:boff + len(chunk) * rec], base)
+                for j, i in enumerate(chunk):
+                    rows.append((keys[i], self.namespace, seg, base + j * rec, rec,
+                                 codec.payload_nbytes, _signed64(sums[j]), codec.name,
+                                 FORMAT_VERSION, session, num_tokens, now, now))
+                self._wtail = base + len(chunk) * rec
+            if pending is not None:
+                pending.result()
+                pending = None
+            if rows:
+                self.io.fsync(self._wfd)
+                self._commit_rows(rows)
+        except OSError as exc:
+            if pending is not None:  # never reuse the buffer under a write in flight
+                try:
+                    pending.result()
+                except OSError as late:
+                    log.debug("cold_write_also_failed", error=str(late))
+            return self._write_failed(exc, keys, todo, rows, ok)
+        self.counters["writes"] += len(todo)
+        self.counters["write_bytes"] += len(todo) * rec
+        return ok
 
     def _direct_src_ok(self, block: torch.Tensor) -> bool:
         """A raw block can be written from its own memory (no staging copy)."""
@@ -451,14 +503,13 @@ class ColdStore(ColdBackend):
             self._rfds.clear()
 
     def _commit_rows(self, rows: list[tuple]) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
+        with self._lock, self._txn():
             self._db.executemany(
                 "INSERT OR REPLACE INTO blocks (key, namespace, segment, offset, length, "
                 "payload_len, checksum, codec, version, session, tokens, created, last_access) "
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
             self._db.execute("UPDATE segments SET size=? WHERE id=?", (self._wtail, self._wseg))
-            self._db.execute("COMMIT")
+        with self._lock:
             self._bytes_used += sum(r[4] for r in rows)
 
     def _make_room(self, need: int) -> bool:
@@ -468,6 +519,7 @@ class ColdStore(ColdBackend):
                 return True
             if need > self.capacity_bytes:
                 return False
+            self._flush_touches()
             now = time.time()
             cur = self._db.execute(
                 "SELECT key, length, namespace FROM blocks ORDER BY (namespace != ?) DESC, "
@@ -567,7 +619,12 @@ class ColdStore(ColdBackend):
         with one large sequential read (raw records land directly in their tensors); the next
         read overlaps verifying / decoding the previous one."""
         ok = [False] * len(keys)
-        rows = self._rows(keys)
+        try:
+            rows = self._rows(keys)
+        except sqlite3.Error as exc:
+            self._index_failed("read", exc)
+            self.counters["io_errors"] += len(keys)
+            return ok
         todo = []
         for i, k in enumerate(keys):
             r = rows.get(k)
@@ -617,7 +674,7 @@ class ColdStore(ColdBackend):
                         self.counters["reads"] += 1
                         self.counters["read_bytes"] += r.length
         if done:
-            self.touch(done)
+            self._defer_touch(done, time.time())
         return ok
 
     def _check_record(self, buf: mmap.mmap, off: int, r: _Row,
@@ -683,28 +740,36 @@ class ColdStore(ColdBackend):
     def entries(self) -> list[tuple[BlockKey, float, str]]:
         """(key, last_access, session) of this namespace's records, in disk order."""
         with self._lock:
+            self._flush_touches()
             return list(self._db.execute(
                 "SELECT key, last_access, session FROM blocks WHERE namespace=? "
                 "ORDER BY segment, offset", (self.namespace,)))
 
     def _delete_rows(self, keys: Sequence[BlockKey]) -> int:
-        """Caller holds _lock."""
-        n = 0
-        self._db.execute("BEGIN")
+        """Caller holds _lock; raises sqlite3.Error (rolled back, nothing deleted)."""
+        n = freed = 0
+        with self._txn():
+            for k in keys:
+                row = self._db.execute("SELECT length FROM blocks WHERE key=?", (k,)).fetchone()
+                if row is not None:
+                    self._db.execute("DELETE FROM blocks WHERE key=?", (k,))
+                    self._db.execute("DELETE FROM refs WHERE key=?", (k,))
+                    freed += row[0]
+                    n += 1
+        self._bytes_used -= freed
         for k in keys:
-            row = self._db.execute("SELECT length FROM blocks WHERE key=?", (k,)).fetchone()
-            if row is not None:
-                self._db.execute("DELETE FROM blocks WHERE key=?", (k,))
-                self._db.execute("DELETE FROM refs WHERE key=?", (k,))
-                self._bytes_used -= row[0]
-                n += 1
-        self._db.execute("COMMIT")
+            self._touch_pending.pop(k, None)
         return n
 
     def delete(self, keys: Iterable[BlockKey]) -> int:
-        """Drop records from the index (space is reclaimed by `compact`)."""
+        """Drop records from the index (space is reclaimed by `compact`). An index that
+        refuses the write keeps the records (0, counted): they stay valid, only unreferenced."""
         with self._lock:
-            return self._delete_rows(list(keys))
+            try:
+                return self._delete_rows(list(keys))
+            except sqlite3.Error as exc:
+                self._index_failed("delete", exc)
+                return 0
 
     def evict(self, keys: Sequence[BlockKey]) -> int:
         n = self.delete(keys)
@@ -715,28 +780,54 @@ class ColdStore(ColdBackend):
         """Keys whose TTL (refreshed on every read) has run out."""
         now = time.time() if now is None else now
         with self._lock:
+            self._flush_touches()
             return [r[0] for r in self._db.execute(
                 "SELECT key FROM blocks WHERE namespace=? AND last_access + ? < ?",
                 (self.namespace, self.ttl_s, now))]
 
     def touch(self, keys: Sequence[BlockKey], now: float | None = None) -> None:
-        """Refresh the TTL of records (an access that did not need a read)."""
-        now = time.time() if now is None else now
+        """Refresh the TTL of records (an access that did not need a read), now. Never
+        raises: an update the index refuses is dropped and counted."""
+        self._defer_touch(keys, time.time() if now is None else now, flush=True)
+
+    def _defer_touch(self, keys: Sequence[BlockKey], now: float, flush: bool = False) -> None:
+        """Queue last-access updates; written in one transaction per TOUCH_BATCH keys or
+        TOUCH_EVERY_S, and before anything that reads last_access (expiry, eviction)."""
         with self._lock:
-            self._db.execute("BEGIN")
-            self._db.executemany("UPDATE blocks SET last_access=? WHERE key=?", [(now, k) for k in keys])
-            self._db.execute("COMMIT")
+            for k in keys:
+                self._touch_pending[k] = now
+            if flush or len(self._touch_pending) >= TOUCH_BATCH \
+                    or time.monotonic() - self._touch_flushed >= TOUCH_EVERY_S:
+                self._flush_touches()
+
+    def _flush_touches(self) -> None:
+        """Write the queued last-access updates (caller may hold _lock). A failed write drops
+        them (counted in `touch_dropped`): the cost is an earlier TTL expiry, never a read."""
+        with self._lock:
+            pending, self._touch_pending = self._touch_pending, {}
+            self._touch_flushed = time.monotonic()
+            if not pending:
+                return
+            try:
+                with self._txn():
+                    self._db.executemany("UPDATE blocks SET last_access=? WHERE key=?",
+                                         [(t, k) for k, t in pending.items()])
+            except sqlite3.Error as exc:
+                self.counters["touch_dropped"] += len(pending)
+                log.warning("cold_touch_dropped", blocks=len(pending), error=str(exc))
 
     # -- session references (persisted so that per-session counts survive a restart) -------
     def save_refs(self, refs: dict[str, Iterable[BlockKey]]) -> None:
         """Replace the stored session -> keys map (only keys that have a record are kept)."""
         with self._lock:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM refs")
-            self._db.executemany(
-                "INSERT OR IGNORE INTO refs (session, key) SELECT ?, key FROM blocks WHERE key=?",
-                [(s, k) for s, ks in refs.items() for k in ks])
-            self._db.execute("COMMIT")
+            try:
+                with self._txn():
+                    self._db.execute("DELETE FROM refs")
+                    self._db.executemany(
+                        "INSERT OR IGNORE INTO refs (session, key) SELECT ?, key FROM blocks "
+                        "WHERE key=?", [(s, k) for s, ks in refs.items() for k in ks])
+            except sqlite3.Error as exc:  # the previous map stays; counts may be stale
+                self._index_failed("save_refs", exc)
 
     def load_refs(self) -> dict[str, list[BlockKey]]:
         out: dict[str, list[BlockKey]] = {}
@@ -753,6 +844,7 @@ class ColdStore(ColdBackend):
             for k in ks:
                 refs.setdefault(k, []).append(s)
         with self._lock:
+            self._flush_touches()
             rows = list(self._db.execute(
                 "SELECT key, last_access, length FROM blocks WHERE namespace=?", (self.namespace,)))
         return [BlockInfo(k, Tier.COLD, False, False, tuple(refs.get(k, ())), la, ln)
@@ -898,6 +990,13 @@ class ColdStore(ColdBackend):
             self._rfds.clear()
             self._wfd = None
             with self._lock:
-                self._db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                self._db.close()
+                self._flush_touches()
+                try:  # a failing disk must not stop the shutdown: the next open re-seals
+                    self._db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
+                    self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                except sqlite3.Error as exc:
+                    self._index_failed("close", exc)
+                try:
+                    self._db.close()
+                except sqlite3.Error as exc:
+                    self._index_failed("close", exc)
