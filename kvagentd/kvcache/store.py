@@ -10,6 +10,11 @@ block); `drop_session` removes the reference and frees blocks nobody references.
 holds use-references (`users`) from `ensure_resident` / `commit` until `release`; a block in
 use is never moved, demoted or evicted by anyone else.
 
+Victims: each pool keeps an LRU (`OrderedDict`) of its idle blocks (settled, unused, unpinned).
+A block enters at the most-recent end when it is accessed, released, unpinned or arrives in
+the tier, and leaves it when it is used, pinned, moved or freed, so making room costs
+O(victims), not O(blocks).
+
 Persistence: `close()` writes hot and warm blocks that sessions reference to the cold store
 and saves the session -> keys map; a new store over the same cold directory rebuilds its
 block index from the cold index, so `match_prefix` finds those blocks after a restart.
@@ -17,10 +22,10 @@ block index from the cold index, so `match_prefix` finds those blocks after a re
 
 from __future__ import annotations
 
-import heapq
 import queue
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -63,6 +68,8 @@ class TieredKVStore(KVStore):
             Tier.WARM: BlockPool.from_bytes("warm", warm_bytes, shape, dt, "cpu", pin_memory=True),
         }
         self._owners: dict[Tier, dict[int, BlockKey]] = {Tier.HOT: {}, Tier.WARM: {}}
+        self._idle: dict[Tier, OrderedDict[BlockKey, None]] = {Tier.HOT: OrderedDict(),
+                                                               Tier.WARM: OrderedDict()}
         self._cold = cold
         self._cond = threading.Condition(threading.Lock())
         self._mig = Migrator(self._pools, self._owners, cold, self._cond)
@@ -151,6 +158,7 @@ class TieredKVStore(KVStore):
                     missing = i
                     break
                 m.users += 1
+                self._lru_update(m)
                 m.sessions.add(session)
                 self._held.setdefault(session, []).append(k)
                 metas.append(m)
@@ -184,6 +192,16 @@ class TieredKVStore(KVStore):
                 self.counters[f"loaded_{t}"] += c
         return Residency(slots, missing, loaded)
 
+    def _lru_update(self, m: BlockMeta) -> None:
+        """Caller holds the lock; call after any change of `m`'s state, users, pins or
+        last access. `m` is in its pool's idle LRU iff settled in hot or warm, unused and
+        unpinned; (re)entering puts it at the most-recent end."""
+        for lru in self._idle.values():
+            lru.pop(m.key, None)
+        t = m.tier
+        if t in self._idle and m.users == 0 and m.pins == 0:
+            self._idle[t][m.key] = None
+
     def _wait_settled(self, key: BlockKey) -> BlockMeta | None:
         """Caller holds the lock; waits while the block is MIGRATING."""
         m = self._meta.get(key)
@@ -208,7 +226,9 @@ class TieredKVStore(KVStore):
             if not todo:
                 return
             moves = self._mig.prepare(todo, dst)
-        assert moves is not None
+            assert moves is not None
+            for mv in moves:
+                self._lru_update(mv.meta)
         self._run_prepared(moves)
 
     def allocate_hot(self, n: int, session: str) -> list[int] | None:
@@ -255,6 +275,7 @@ class TieredKVStore(KVStore):
                 m.users += 1
                 m.sessions.add(session)
                 m.last_access = now
+                self._lru_update(m)
                 self._held.setdefault(session, []).append(key)
         return keys
 
@@ -264,6 +285,7 @@ class TieredKVStore(KVStore):
                 m = self._meta.get(k)
                 if m is not None:
                     m.users -= 1
+                    self._lru_update(m)
             slots = self._private.pop(session, [])
             if slots:
                 self._pools[Tier.HOT].free(slots)
@@ -273,6 +295,7 @@ class TieredKVStore(KVStore):
         held = self._held.get(session, [])
         held.remove(m.key)
         m.users -= 1
+        self._lru_update(m)
 
     def record_access(self, keys: Iterable[BlockKey], session: str) -> None:
         keys = list(keys)
@@ -282,6 +305,7 @@ class TieredKVStore(KVStore):
                 m = self._meta.get(k)
                 if m is not None:
                     m.last_access = now
+                    self._lru_update(m)
         if self.access_listener is not None:
             try:
                 self.access_listener(keys, session)
@@ -293,6 +317,8 @@ class TieredKVStore(KVStore):
         ok = self._mig.copy(moves)
         with self._cond:
             lost = self._mig.complete(moves, ok)
+            for mv in moves:
+                self._lru_update(mv.meta)
             self.counters["lost"] += len(lost)
         if lost and self._cold is not None:
             with self._cond:  # unreadable records go; a block revived meanwhile keeps its own
@@ -331,7 +357,9 @@ class TieredKVStore(KVStore):
             if not todo:
                 return 0
             moves = self._mig.prepare(todo, dst)
-        assert moves is not None
+            assert moves is not None
+            for mv in moves:
+                self._lru_update(mv.meta)
         return self._run_prepared(moves)
 
     def _make_room(self, tier: Tier, n: int, exclude: set[BlockKey] = frozenset()) -> bool:
@@ -343,13 +371,14 @@ class TieredKVStore(KVStore):
                 short = n - pool.num_free
                 if short <= 0:
                     return True
-                cands = (self._meta[k] for k in self._owners[tier].values())
-                victims = heapq.nsmallest(short, (m for m in cands if self._movable(m) and m.pins == 0
-                                                  and m.key not in exclude),
-                                          key=lambda m: m.last_access)
-                if not victims:
+                keys = []
+                for k in self._idle[tier]:  # least recently used first
+                    if k not in exclude:
+                        keys.append(k)
+                        if len(keys) == short:
+                            break
+                if not keys:
                     return False
-                keys = [m.key for m in victims]
             if lower is Tier.COLD and self._cold is None:
                 return False
             moved = 0
@@ -412,12 +441,14 @@ class TieredKVStore(KVStore):
             for k in keys:
                 if (m := self._meta.get(k)) is not None:
                     m.pins += 1
+                    self._lru_update(m)
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         with self._cond:
             for k in keys:
                 if (m := self._meta.get(k)) is not None and m.pins > 0:
                     m.pins -= 1
+                    self._lru_update(m)
 
     # -- forgetting --------------------------------------------------------------------------
     def _forget(self, m: BlockMeta) -> None:
@@ -427,6 +458,7 @@ class TieredKVStore(KVStore):
             del self._owners[m.tier][m.slot]
             m.slot = None
         transition(m, BlockState.FREE)
+        self._lru_update(m)
         del self._meta[m.key]
 
     def drop_session(self, session: str, keys: Sequence[BlockKey]) -> None:
@@ -571,6 +603,7 @@ class TieredKVStore(KVStore):
             for held in self._held.values():
                 for k in held:
                     users[k] = users.get(k, 0) + 1
+            n_idle = 0
             for k, m in self._meta.items():
                 if m.key != k or m.pins < 0 or m.users < 0:
                     raise IntegrityError(f"block {k.hex()}: bad key or negative counts")
@@ -589,6 +622,13 @@ class TieredKVStore(KVStore):
                             raise IntegrityError(f"block {k.hex()}: source slot lost while moving")
                 if m.state is BlockState.COLD and not m.in_cold:
                     raise IntegrityError(f"block {k.hex()}: COLD without a cold record")
+                idle = m.tier in self._idle and m.users == 0 and m.pins == 0
+                n_idle += idle
+                for t, lru in self._idle.items():
+                    if (k in lru) != (idle and m.tier is t):
+                        raise IntegrityError(f"block {k.hex()}: idle LRU of {t.value} disagrees")
+            if sum(len(lru) for lru in self._idle.values()) != n_idle:
+                raise IntegrityError("idle LRU holds blocks that are not idle or not indexed")
             private = sum(len(v) for v in self._private.values())
             for t, pool in self._pools.items():
                 expect = len(self._owners[t]) + reserved[t] + (private if t is Tier.HOT else 0)
@@ -629,6 +669,7 @@ class TieredKVStore(KVStore):
                     if m.tier in (Tier.HOT, Tier.WARM) and m.sessions and not m.in_cold]
             for m in todo:
                 m.users += 1
+                self._lru_update(m)
             self._held.setdefault(_PERSIST, []).extend(m.key for m in todo)
         put_many = getattr(self._cold, "put_many", None)
         try:
