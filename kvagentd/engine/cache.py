@@ -22,10 +22,14 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvagentd.kvcache.base import KVGeometry
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class HotPoolExhausted(RuntimeError):
@@ -154,10 +158,18 @@ class HotPoolCache(Cache):
         if tokens > self.work.shape[4]:
             self._grow(tokens)
         # NOTE: one copy per block straight into place; an index_select + permute would
-        # allocate a temporary the size of the whole KV and was 3-4x slower on CPU.
+        # allocate a temporary the size of the whole KV and was 3-4x slower on CPU. On CPU the
+        # copies run single-threaded through numpy: torch's parallel copy stalls badly when
+        # the cores are shared with other processes, and one thread saturates memory anyway.
         dst = self.work[:, :, 0, :, :tokens].unflatten(3, (n, g.block_tokens))  # (L,2,H,n,bt,D)
-        for i, slot in enumerate(slots):
-            dst[:, :, :, i].copy_(self.arena[slot])
+        if self.work.device.type == "cpu" and self.arena.device.type == "cpu":
+            as_int = _INT_OF_SIZE[self.work.element_size()]
+            d_np, a_np = dst.view(as_int).numpy(), self.arena.view(as_int).numpy()
+            for i, slot in enumerate(slots):
+                np.copyto(d_np[:, :, :, i], a_np[slot])
+        else:
+            for i, slot in enumerate(slots):
+                dst[:, :, :, i].copy_(self.arena[slot])
         for layer in self.layers:
             layer.length = tokens
             layer._bind()

@@ -68,13 +68,18 @@ class Runner:
         self.prefill_chunk = prefill_chunk
         self.on_recompute = on_recompute
 
-    def prompt_ids(self, session: Session, text: str, system: str | None) -> list[int]:
-        """The session's ids plus the new turn (templated alone; history is never re-encoded)."""
+    def prompt_ids(self, session: Session, text: str | None, system: str | None) -> list[int]:
+        """The session's ids plus the new turn (templated alone; history is never re-encoded).
+        `text=None` continues the session's ids as they are (no new turn)."""
+        if text is None:
+            if not session.token_ids:
+                raise ValueError(f"session {session.id!r} has no tokens to continue")
+            return list(session.token_ids)
         if not session.token_ids:
             return self.chat.first_turn(system, text)
         return session.token_ids + self.chat.next_turn(text)
 
-    def run(self, session_id: str, text: str, *, system: str | None = None,
+    def run(self, session_id: str, text: str | None, *, system: str | None = None,
             max_new_tokens: int = 64, stop: Callable[[], str | None] = lambda: None,
             on_text: Callable[[str], None] | None = None,
             ) -> Generator[None, None, GenerationResult]:
