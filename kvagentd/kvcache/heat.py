@@ -226,13 +226,15 @@ class HeatMap:
                 "heat_max": float(vals.max()) if vals.size else 0.0}
 
     # ------------------------------------------------------------------ persistence
-    def save_summary(self, path: str | os.PathLike[str], *, keys_per_session: int = 256) -> None:
-        """Write per-session heat and recent block keys as JSON (atomic replace)."""
+    def save_summary(self, path: str | os.PathLike[str], *, keys_per_session: int = 256,
+                     max_sessions: int | None = None) -> None:
+        """Write the hottest sessions' heat and recent block keys as JSON (atomic replace)."""
         heat = self.session_heat()
+        ranked = sorted(heat.items(), key=lambda kv: -kv[1])[:max_sessions]
         doc = {"version": 1, "tick": self._tick, "sessions": [
             {"session": s, "heat": h,
              "keys": [k.hex() for k in self.session_keys(s, keys_per_session)]}
-            for s, h in sorted(heat.items(), key=lambda kv: -kv[1])]}
+            for s, h in ranked]}
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(p.name + ".tmp")

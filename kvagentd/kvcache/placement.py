@@ -338,7 +338,8 @@ class PlacementService:
         if not self.persist_summary:
             return
         try:
-            self.heat.save_summary(self.summary_path)
+            self.heat.save_summary(self.summary_path,
+                                   max_sessions=max(32, 4 * self.config.warmup_sessions))
         except OSError as exc:
             log.warning("placement.summary_save_failed", path=str(self.summary_path),
                         error=str(exc))

@@ -106,6 +106,8 @@ def test_summary_round_trip_hottest_session_first(tmp_path):
     assert set(s[0].keys) == {k(1), k(2)}
     assert s[0].heat > s[1].heat > 0
     assert not math.isnan(s[1].heat)
+    h.save_summary(path, max_sessions=1)
+    assert [x.session for x in load_summary(path)] == ["busy"]
 
 
 def test_summary_missing_is_empty_and_malformed_raises(tmp_path):
