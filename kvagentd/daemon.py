@@ -1,7 +1,7 @@
 """The daemon's lifecycle: `run()` -> `startup()` -> `main_loop()` -> `shutdown()`.
 
-Startup: logging, state directories, the job scheduler, the services (constructed by
-`_build_services`), the control socket, then READY=1. The main loop pings the systemd watchdog
+Startup: logging, state directories, the job scheduler, the control socket, the services (each
+constructed by `_build` just before it starts), then READY=1. The main loop pings the systemd watchdog
 only while it runs and the control and scheduler threads are alive, and publishes a STATUS line.
 First SIGTERM/SIGINT (or POST /v1/shutdown): STOPPING=1, stop accepting, drain in-flight
 requests for `daemon.drain_timeout_s`, stop services in reverse start order (they flush), remove
@@ -31,6 +31,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from kvagentd import __version__
 from kvagentd import log as logsetup
 from kvagentd.config import RELOADABLE, Config, ConfigError, diff_reloadable, load_config
+from kvagentd.agent.jobs import TICK_PREFIX
 from kvagentd.control.handlers import register_all
 from kvagentd.control.router import Router
 from kvagentd.control.server import ControlServer, ControlSocketInUse
@@ -47,8 +48,8 @@ EX_CANTCREAT = 73
 EX_NOPERM = 77
 EX_CONFIG = 78
 
-# Start order; services stop in reverse. Each is None until `_build_services` sets it.
-SERVICE_ORDER = ("store", "placement", "engine", "executor", "maintenance", "agent")
+# Start order; services stop in reverse. Each is None until `_build` sets it.
+SERVICE_ORDER = ("store", "placement", "engine", "maintenance", "agent")
 
 # Seconds of EXTEND_TIMEOUT_USEC requested before each service starts or stops.
 SERVICE_START_ALLOWANCE_S = 300.0
@@ -93,9 +94,11 @@ class Daemon:
         self.store: Any = None
         self.placement: Any = None
         self.engine: Any = None
-        self.executor: Any = None
         self.maintenance: Any = None
         self.agent: Any = None
+        self.executor: Any = None  # the engine's executor (started and stopped by the engine)
+        self.model: Any = None  # the loaded model, when model.source is not "none"
+        self.cold: Any = None  # the cold tier (SSD store behind its /dev/shm shadow)
         self._started: list[str] = []
         self.router = Router()
         self.server: ControlServer | None = None
@@ -163,7 +166,6 @@ class Daemon:
         for d in (cfg.daemon.state_dir, cfg.daemon.cache_dir):
             _ensure_dir(Path(d))
         self.scheduler.start()
-        self._build_services()
         register_all(self.router, self)
         # NOTE: listening before the services start lets operators watch a slow start
         # (status, readyz); every other route answers 503 not_ready until READY.
@@ -172,15 +174,17 @@ class Daemon:
                                     is_ready=lambda: self.ready)
         self.server.start()
         for name in SERVICE_ORDER:
-            service = getattr(self, name)
-            if service is None:
-                continue
             if self._stop_reason is not None:
                 log.info("startup_interrupted", reason=self._stop_reason, before=name)
                 return
             self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
             self.notifier.status(f"starting {name}")
             started = time.monotonic()
+            if getattr(self, name) is None:
+                setattr(self, name, self._build(name))
+            service = getattr(self, name)
+            if service is None:
+                continue
             service.start()
             self._started.append(name)
             log.info("service_started", service=name,
@@ -193,12 +197,74 @@ class Daemon:
         log.info("daemon_ready", socket=str(cfg.control.socket), services=self._started,
                  startup_s=round(self.uptime_s(), 3))
 
-    def _build_services(self) -> None:
-        """Construct the services for this configuration (set the attributes in SERVICE_ORDER).
+    def _build(self, name: str) -> Any:
+        """Construct service `name` for this configuration, or None where it does not apply.
 
-        Constructors take explicit dependencies (config sections, store, executor, scheduler,
-        metrics registry); `start()` does the slow work. Absent services stay None.
+        Built just before it starts, in SERVICE_ORDER, so each one can use those before it.
+        The store needs the model's geometry and fingerprint, so building it loads the model.
         """
+        cfg = self.config
+        if name == "store":
+            if cfg.model.source == "none":
+                return None
+            from kvagentd.engine.model import load_model, model_geometry
+            from kvagentd.kvcache.keys import make_namespace
+            from kvagentd.kvcache.store import TieredKVStore
+            from kvagentd.maintenance.service import build_cold_tier
+
+            self.notifier.status("loading model")
+            self.model = load_model(cfg.model, Path(cfg.daemon.cache_dir))
+            geometry = model_geometry(self.model.model, cfg.kv.block_tokens, self.model.dtype)
+            namespace = make_namespace(self.model.fingerprint, self.model.dtype,
+                                       cfg.kv.block_tokens)
+            self.cold = build_cold_tier(cfg, geometry, namespace)
+            return TieredKVStore(geometry, namespace, hot_bytes=cfg.kv.hot_bytes,
+                                 warm_bytes=cfg.warm_bytes, cold=self.cold,
+                                 device=self.model.device,
+                                 persist_on_shutdown=cfg.kv.persist_on_shutdown)
+        if name == "placement":
+            if self.store is None:
+                return None
+            from kvagentd.kvcache.placement import PlacementService
+
+            return PlacementService(self.store, cfg.placement, cfg.kv, self.scheduler,
+                                    summary_path=Path(cfg.daemon.state_dir) / "heat-summary.json",
+                                    registry=self.metrics)
+        if name == "engine":
+            if self.store is None or self.model is None:
+                return None
+            from kvagentd.engine.service import Engine
+
+            engine = Engine(self.model, self.store, state_dir=Path(cfg.daemon.state_dir),
+                            executor_config=cfg.executor, registry=self.metrics)
+            self.executor = engine.executor
+            return engine
+        if name == "maintenance":
+            from kvagentd.maintenance.service import Maintenance
+
+            return Maintenance(cfg, self.store, self.cold, self.scheduler, is_idle=self.is_idle)
+        if name == "agent":
+            if not cfg.agent.enabled:
+                return None
+            from kvagentd.agent.agent import Agent
+
+            return Agent(cfg.agent, self.executor, self.scheduler, Path(cfg.daemon.state_dir),
+                         store_stats=self.store.stats if self.store is not None else None)
+        raise ValueError(f"unknown service {name!r}")  # a bug: SERVICE_ORDER and _build disagree
+
+    def is_idle(self, expected_s: float = 0.0) -> bool:
+        """True when no generation runs or waits and no sensor tick is due within `expected_s`:
+        the moment for maintenance that pauses admission (defrag)."""
+        if self.executor is not None:
+            st = self.executor.status()
+            if st["active"] or any(st["queued"].values()):
+                return False
+        horizon = time.time() + expected_s
+        for job in self.scheduler.get_jobs():
+            if job.id.startswith(TICK_PREFIX) and job.next_run_time is not None \
+                    and job.next_run_time.timestamp() <= horizon:
+                return False
+        return True
 
     def main_loop(self) -> None:
         interval = self.config.daemon.main_loop_interval_s

@@ -11,7 +11,7 @@ import sys
 import typer
 
 from kvagentd import __version__
-from kvctl import cmd_core
+from kvctl import cmd_agent, cmd_blocks, cmd_core, cmd_maintenance, cmd_sessions, cmd_trace
 from kvctl.common import (DEFAULT_SOCKET, DEFAULT_TIMEOUT_S, EX_USAGE, JsonOpt, Opts, SocketOpt,
                           TimeoutOpt)
 
@@ -21,7 +21,7 @@ app = typer.Typer(name="kvctl", help=__doc__, no_args_is_help=True, add_completi
 _CLICK_USAGE = 2
 
 # Command modules; each has register(app).
-COMMAND_MODULES = (cmd_core,)
+COMMAND_MODULES = (cmd_core, cmd_sessions, cmd_blocks, cmd_trace, cmd_agent, cmd_maintenance)
 
 
 def _version(value: bool) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvagentd.control.handlers import core
+from kvagentd.control.handlers import agent, blocks, core, maintenance, placement, sessions
 from kvagentd.control.router import Router
 
-MODULES = (core,)
+MODULES = (core, blocks, placement, sessions, agent, maintenance)
 
 
 def register_all(router: Router, daemon: Any) -> None:
