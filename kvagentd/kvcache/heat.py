@@ -147,8 +147,9 @@ class HeatMap:
 
     def _rebase(self) -> None:
         # NOTE: entries pushed below -2^24 lose precision, but each then contributes < 6e-8.
+        # A new array (not in place), so a concurrent heat() sees old ticks with the old base.
         shift = self._tick - self._base - 1024
-        self._ticks -= np.float32(shift)
+        self._ticks = self._ticks - np.float32(shift)
         self._base += shift
 
     # ------------------------------------------------------------------ reading
@@ -173,21 +174,24 @@ class HeatMap:
                            count=len(keys))
 
     def heat(self, now: int | None = None) -> np.ndarray:
-        """Heat of every row (float32, length = row high-water mark; free rows are 0)."""
+        """Heat of every row (float32, length = row high-water mark; free rows are 0).
+
+        NOTE: the lock is held only to take references: recording an access (the inference
+        path) never waits for this computation. A concurrent single-entry write is harmless."""
         with self._lock:
+            ticks, n = self._ticks, self._high
             rel_now = np.float32((self._tick if now is None else now) - self._base)
-            n = self._high
-            out = np.zeros(n, dtype=np.float32)
-            buf = np.empty((max(1, min(_CHUNK_ROWS, n)), self.window), dtype=np.float32)
-            for lo in range(0, n, _CHUNK_ROWS):
-                hi = min(n, lo + _CHUNK_ROWS)
-                b = buf[: hi - lo]
-                np.subtract(rel_now, self._ticks[lo:hi], out=b)
-                np.maximum(b, 1.0, out=b)
-                np.reciprocal(b, out=b)
-                b.sum(axis=1, out=out[lo:hi])
-            self.last_heat = out
-            return out
+        out = np.zeros(n, dtype=np.float32)
+        buf = np.empty((max(1, min(_CHUNK_ROWS, n)), self.window), dtype=np.float32)
+        for lo in range(0, n, _CHUNK_ROWS):
+            hi = min(n, lo + _CHUNK_ROWS)
+            b = buf[: hi - lo]
+            np.subtract(rel_now, ticks[lo:hi], out=b)
+            np.maximum(b, 1.0, out=b)
+            np.reciprocal(b, out=b)
+            b.sum(axis=1, out=out[lo:hi])
+        self.last_heat = out
+        return out
 
     def heat_of(self, keys: Sequence[BlockKey], now: int | None = None) -> np.ndarray:
         """Heat of `keys` in order; unknown keys have heat 0."""
