@@ -180,3 +180,21 @@ def test_drop_session_forgets_blocks(engine: Engine) -> None:
     assert engine.sessions.get("gone") is None and engine.sessions.drop("gone") is False
     known = {b.key for b in engine.store.snapshot()}
     assert not (set(keys) & known)
+
+
+def test_continue_session_without_a_new_turn(engine: Engine, tiny: LoadedModel) -> None:
+    engine.ask("c", "Describe the pump.", max_new_tokens=N, system=SYSTEM)
+    ids = engine.table.get("c").token_ids
+    stored = len(engine.table.get("c").block_keys) * BLOCK_TOKENS
+    expected = greedy_reference(tiny, ids, 4)
+    gen = engine.runner.run("c", None, max_new_tokens=4)
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(gen)
+    res = done.value.value
+    assert res.prompt_tokens == len(ids)
+    assert res.reused_tokens == min(stored, len(ids) - 1) > 0
+    assert engine.table.get("c").token_ids[len(ids): len(ids) + res.new_tokens] == \
+        expected[: res.new_tokens]
+    with pytest.raises(ValueError, match="no tokens"):
+        next(engine.runner.run("unknown", None))
