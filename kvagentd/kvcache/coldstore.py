@@ -26,6 +26,7 @@ checksum, never execute code.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import mmap
@@ -34,7 +35,7 @@ import sqlite3
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Sequence
 
@@ -101,6 +102,8 @@ class ColdStore(ColdBackend):
     Rows of other namespaces stay on disk (they count towards capacity and are evicted first)
     but are never returned. `codec` is used for new records; existing records decode with the
     codec named in their header. `file_io` holds the OS file operations (see `FileIO`).
+    `io_threads`: sequential reads in flight per batched read (the queue depth the SSD sees),
+    each into its own read buffer of `read_batch_bytes`.
     Thread-safe; reads are serialized with each other and so are writes.
     """
 
@@ -109,7 +112,8 @@ class ColdStore(ColdBackend):
                  segment_bytes: int = 256 << 20, io_unit_bytes: int = 128 << 10,
                  o_direct: bool = True, file_io: FileIO | None = None, ttl_s: float = 3600.0,
                  read_batch_bytes: int = 8 << 20, read_only: bool = False,
-                 on_evict: Callable[[list[BlockKey]], None] | None = None) -> None:
+                 on_evict: Callable[[list[BlockKey]], None] | None = None,
+                 io_threads: int = 1) -> None:
         if geometry.dtype not in DTYPE_CODES:
             raise ValueError(f"unsupported KV dtype {geometry.dtype}")
         if codec not in CODECS:
@@ -142,8 +146,11 @@ class ColdStore(ColdBackend):
         self._wbuf = mmap.mmap(-1, 2 * self._whalf)
         self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-cold-write")
         rb = max(rec, _align(read_batch_bytes))
-        self._rbufs = [mmap.mmap(-1, rb), mmap.mmap(-1, rb)]
-        self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-cold-read")
+        # `io_threads` reads in flight, one more buffer being verified / decoded
+        self.io_threads = max(1, int(io_threads))
+        self._rbufs = [mmap.mmap(-1, rb) for _ in range(self.io_threads + 1)]
+        self._read_pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kv-cold-read")
+        self._fd_lock = threading.Lock()
         self._rfds: dict[int, int] = {}
         self._wfd: int | None = None
         self._wseg: int | None = None
@@ -276,8 +283,12 @@ class ColdStore(ColdBackend):
         """Never write `seg` again; the writer rolls to a new segment before its next write."""
         with self._lock:
             self._retired.add(seg)
-            cur = self._db.execute("UPDATE segments SET state='retired' WHERE id=? AND state!='retired'",
-                                   (seg,))
+            try:
+                cur = self._db.execute(
+                    "UPDATE segments SET state='retired' WHERE id=? AND state!='retired'", (seg,))
+            except sqlite3.Error as exc:  # retired in memory; the next open seals it anyway
+                self._index_failed("retire", exc)
+                return
             if cur.rowcount:
                 self.counters["retired_segments"] += 1
                 log.error("cold_segment_retired", segment=seg, reason=reason)
@@ -552,10 +563,11 @@ class ColdStore(ColdBackend):
         return out
 
     def _rfd(self, seg: int) -> int:
-        fd = self._rfds.get(seg)
-        if fd is None:
-            fd = self._rfds[seg] = self._open(self._seg_path(seg), os.O_RDONLY)
-        return fd
+        with self._fd_lock:  # read threads may ask for the same segment at once
+            fd = self._rfds.get(seg)
+            if fd is None:
+                fd = self._rfds[seg] = self._open(self._seg_path(seg), os.O_RDONLY)
+            return fd
 
     def _runs(self, rows: list[tuple[int, _Row]],
               direct: dict[int, bool] | None = None) -> list[list[tuple[int, _Row]]]:
@@ -639,40 +651,47 @@ class ColdStore(ColdBackend):
             runs = self._runs(todo, eligible)
             direct = [eligible[run[0][0]] for run in runs]
 
+            nbuf, depth = len(self._rbufs), len(self._rbufs) - 1
+
             def submit(ri: int):
-                return self._read_pool.submit(self._read_run, runs[ri], self._rbufs[ri % 2],
+                return self._read_pool.submit(self._read_run, runs[ri], self._rbufs[ri % nbuf],
                                               outs if direct[ri] else None)
 
-            fut = submit(0) if runs else None
-            for ri, run in enumerate(runs):
-                got = fut.result()
-                buf = self._rbufs[ri % 2]
-                if ri + 1 < len(runs):
-                    fut = submit(ri + 1)
-                if isinstance(got, OSError):
-                    self.counters["io_errors"] += len(run)
-                    log.error("cold_read_failed", segment=run[0][1].segment, error=str(got))
-                    if got.errno == errno.ENOENT:
-                        self.counters["missing"] += len(run)
-                    else:
-                        self._retire(run[0][1].segment, f"read: {got.strerror or got}")
-                    continue
-                base, hoff = run[0][1].offset, 0
-                for i, r in run:
-                    if r.offset - base + r.length > got:
-                        self.counters["missing"] += 1
-                        log.error("cold_record_short", key=r.key.hex(), segment=r.segment)
+            # runs ri+1 .. ri+depth are read while run ri is verified; a buffer is reused
+            # only after its run was consumed
+            futs = collections.deque(submit(ri) for ri in range(min(depth, len(runs))))
+            try:
+                for ri, run in enumerate(runs):
+                    got = futs.popleft().result()
+                    buf = self._rbufs[ri % nbuf]
+                    if ri + depth < len(runs):
+                        futs.append(submit(ri + depth))
+                    if isinstance(got, OSError):
+                        self.counters["io_errors"] += len(run)
+                        log.error("cold_read_failed", segment=run[0][1].segment, error=str(got))
+                        if got.errno == errno.ENOENT:
+                            self.counters["missing"] += len(run)
+                        else:
+                            self._retire(run[0][1].segment, f"read: {got.strerror or got}")
                         continue
-                    if direct[ri]:
-                        good = self._verify_direct(buf, hoff, r, outs[i])
-                        hoff += r.length - r.payload_len
-                    else:
-                        good = self._verify_decode(buf, r.offset - base, r, outs[i])
-                    if good:
-                        ok[i] = True
-                        done.append(r.key)
-                        self.counters["reads"] += 1
-                        self.counters["read_bytes"] += r.length
+                    base, hoff = run[0][1].offset, 0
+                    for i, r in run:
+                        if r.offset - base + r.length > got:
+                            self.counters["missing"] += 1
+                            log.error("cold_record_short", key=r.key.hex(), segment=r.segment)
+                            continue
+                        if direct[ri]:
+                            good = self._verify_direct(buf, hoff, r, outs[i])
+                            hoff += r.length - r.payload_len
+                        else:
+                            good = self._verify_decode(buf, r.offset - base, r, outs[i])
+                        if good:
+                            ok[i] = True
+                            done.append(r.key)
+                            self.counters["reads"] += 1
+                            self.counters["read_bytes"] += r.length
+            finally:  # never leave a read in flight into a buffer the next call reuses
+                wait(futs)
         if done:
             self._defer_touch(done, time.time())
         return ok

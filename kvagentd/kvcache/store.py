@@ -15,6 +15,10 @@ A block enters at the most-recent end when it is accessed, released, unpinned or
 the tier, and leaves it when it is used, pinned, moved or freed, so making room costs
 O(victims), not O(blocks).
 
+Cold failover: when the cold backend starts writing to a stand-in device because the SSD
+failed, `on_cold_failover()` makes hot and warm blocks forget their SSD copy, so demoting them
+writes them again (to the stand-in) instead of relying on a copy that may be unreadable.
+
 Persistence: `close()` writes hot and warm blocks that sessions reference to the cold store
 and saves the session -> keys map; a new store over the same cold directory rebuilds its
 block index from the cold index, so `match_prefix` finds those blocks after a restart.
@@ -79,10 +83,13 @@ class TieredKVStore(KVStore):
         self._private: dict[str, list[int]] = {}        # uncommitted hot slots per session
         self.counters = dict(match_calls=0, matched_blocks=0, loaded_hot=0, loaded_warm=0,
                              loaded_cold=0, lost=0, demoted=0, promoted=0, dedup=0,
-                             prefetch_queued=0, prefetch_dropped=0, evicted=0, relocated=0)
+                             prefetch_queued=0, prefetch_dropped=0, evicted=0, relocated=0,
+                             cold_copies_dropped=0, expired=0)
         self._bg: queue.Queue[tuple[list[BlockKey], Tier] | None] = queue.Queue(prefetch_queue)
         self._bg_thread: threading.Thread | None = None
         self._closed = False
+        self._stale_cold: set[BlockKey] = set()    # cold copies on a failed device
+        self._recheck_cold: set[BlockKey] = set()  # read from it while it failed
         if cold is not None:
             self._load_cold_index(cold)
 
@@ -105,6 +112,8 @@ class TieredKVStore(KVStore):
                     m.sessions.add(session)
         if hasattr(cold, "on_evict"):
             cold.on_evict = self._on_cold_evict
+        if hasattr(cold, "on_failover"):
+            cold.on_failover = self.on_cold_failover
         log.info("store_index_loaded", blocks=len(rows), sessions=len(refs))
 
     # -- service -----------------------------------------------------------------------------
@@ -162,8 +171,9 @@ class TieredKVStore(KVStore):
                 m.sessions.add(session)
                 self._held.setdefault(session, []).append(k)
                 metas.append(m)
-            # where each block comes from (another request may be moving a shared block now)
-            source = [m.tier or STATE_TIER[m.src_state] for m in metas]
+            # where each block comes from (another request may be moving a shared block now,
+            # or have lost it while this one waited: LOST until someone recomputes it)
+            source = [m.tier or STATE_TIER.get(m.src_state) or Tier.HOT for m in metas]
         for _ in range(3):  # a shared block may be mid-way through another request's move
             if self._staged:
                 self._bring(metas, Tier.WARM, only_from=Tier.COLD)
@@ -319,6 +329,9 @@ class TieredKVStore(KVStore):
             lost = self._mig.complete(moves, ok)
             for mv in moves:
                 self._lru_update(mv.meta)
+                if self._recheck_cold and mv.meta.key in self._recheck_cold:
+                    self._recheck_cold.discard(mv.meta.key)
+                    self._drop_cold_copy(mv.meta)
             self.counters["lost"] += len(lost)
         if lost and self._cold is not None:
             with self._cond:  # unreadable records go; a block revived meanwhile keeps its own
@@ -450,6 +463,36 @@ class TieredKVStore(KVStore):
                     m.pins -= 1
                     self._lru_update(m)
 
+    # -- cold failover -----------------------------------------------------------------------
+    def on_cold_failover(self) -> int:
+        """The cold backend switched to a stand-in because its device failed: hot and warm
+        blocks (and those moving out of them) stop relying on their cold copy, so demoting
+        them writes them to the backend that now serves; blocks read from the failing
+        device meanwhile do the same when their move completes. Returns how many forgot
+        their copy now. Blocks that live only in the cold tier are left as they are: they
+        read from the failed device or become LOST."""
+        with self._cond:
+            n = 0
+            for m in self._meta.values():
+                if not m.in_cold:
+                    continue
+                if m.state is BlockState.MIGRATING and m.src_state is BlockState.COLD:
+                    self._recheck_cold.add(m.key)
+                elif m.tier is not Tier.COLD:
+                    n += self._drop_cold_copy(m)
+        log.warning("store_cold_copies_dropped", blocks=n)
+        return n
+
+    def _drop_cold_copy(self, m: BlockMeta) -> int:
+        """Caller holds the lock. A resident block's cold copy is no longer relied on (its
+        record is still deleted when the block is forgotten)."""
+        if not m.in_cold or m.state in (BlockState.COLD, BlockState.LOST):
+            return 0
+        m.in_cold = False
+        self._stale_cold.add(m.key)
+        self.counters["cold_copies_dropped"] += 1
+        return 1
+
     # -- forgetting --------------------------------------------------------------------------
     def _forget(self, m: BlockMeta) -> None:
         """Caller holds the lock; `m` is idle and settled."""
@@ -459,6 +502,8 @@ class TieredKVStore(KVStore):
             m.slot = None
         transition(m, BlockState.FREE)
         self._lru_update(m)
+        self._stale_cold.discard(m.key)
+        self._recheck_cold.discard(m.key)
         del self._meta[m.key]
 
     def drop_session(self, session: str, keys: Sequence[BlockKey]) -> None:
@@ -470,7 +515,7 @@ class TieredKVStore(KVStore):
                     continue
                 m.sessions.discard(session)
                 if not m.sessions and m.users == 0 and m.pins == 0 and m.state is not BlockState.MIGRATING:
-                    if m.in_cold:
+                    if m.in_cold or k in self._stale_cold:
                         drop_cold.append(k)
                     self._forget(m)
         if drop_cold and self._cold is not None:
@@ -483,13 +528,41 @@ class TieredKVStore(KVStore):
                 m = self._meta.get(k)
                 if m is None or m.users or m.pins or m.state is BlockState.MIGRATING:
                     continue
-                if m.in_cold:
+                if m.in_cold or k in self._stale_cold:
                     drop_cold.append(k)
                 self._forget(m)
                 n += 1
             self.counters["evicted"] += n
         if drop_cold and self._cold is not None:
             self._cold.delete(drop_cold)
+        return n
+
+    def expire_cold(self, now: float | None = None) -> int:
+        """Forget cold-only blocks whose TTL has run out (`ColdBackend.expired`, refreshed by
+        cold reads) and that nobody used in the store for a TTL either; never a pinned or
+        in-use block. Records no block refers to any more go too. Returns the blocks forgotten.
+        For the placement / maintenance timers: expiry needs no capacity pressure."""
+        expired = getattr(self._cold, "expired", None)
+        if expired is None:
+            return 0
+        now = time.time() if now is None else now
+        ttl = float(getattr(self._cold, "ttl_s", 0.0))
+        keys = expired(now)
+        drop, n = [], 0
+        with self._cond:
+            for k in keys:
+                m = self._meta.get(k)
+                if m is None:
+                    drop.append(k)  # an orphan record
+                elif (m.state is BlockState.COLD and m.users == 0 and m.pins == 0
+                      and m.last_access + ttl < now):
+                    drop.append(k)
+                    self._forget(m)
+                    n += 1
+            self.counters["expired"] += n
+        if drop:
+            self._cold.evict(drop)
+            log.info("store_cold_expired", blocks=n, records=len(drop))
         return n
 
     def _on_cold_evict(self, keys: list[BlockKey]) -> None:
@@ -731,7 +804,7 @@ def from_config(kv_config, geometry: KVGeometry, namespace: bytes, device: str |
     cold = ColdStore(kv.cold_dir, geometry, namespace, codec=kv.cold_codec,
                      capacity_bytes=kv.cold_capacity_bytes, segment_bytes=kv.segment_bytes,
                      io_unit_bytes=kv.io_unit_bytes, o_direct=kv.o_direct, file_io=file_io,
-                     ttl_s=kv.cold_ttl_s)
+                     ttl_s=kv.cold_ttl_s, io_threads=kv.io_threads)
     return TieredKVStore(geometry, namespace, hot_bytes=kv.hot_bytes,
                          warm_bytes=int(kv.hot_bytes * kv.warm_ratio), cold=cold, device=device,
                          access_listener=access_listener, persist_on_shutdown=kv.persist_on_shutdown)

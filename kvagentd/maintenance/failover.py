@@ -13,6 +13,9 @@ cold writes from one of them:
 - While on the shadow, new writes go to the shadow; reads look in the shadow first, then on the
   SSD: a block on the failing SSD either reads and verifies, or is reported missing (the engine
   recomputes it). Nothing is deleted from the SSD by failing over.
+- `on_failover()` (the store's `on_cold_failover`, set by the store) is called after every
+  switch to the shadow caused by a fault: cold copies made on the SSD may be unreadable now,
+  so the store writes hot and warm blocks again when it demotes them.
 - restore (an operator, or `failback_good_probes` consecutive good probes of the SSD): every
   shadow record is read, written to the SSD and only then deleted from the shadow; a failure
   stops the restore and keeps serving from the shadow. So no committed block is lost.
@@ -94,6 +97,7 @@ class FailoverColdStore(ColdBackend):
         self.failovers = 0
         self.failbacks = 0
         self.restored_blocks = 0
+        self.on_failover: Callable[[], object] | None = None
         self._errors_seen = _io_errors(primary)
         self._wear_read_only = bool(primary.read_only)
         if shadow.keys():
@@ -122,10 +126,21 @@ class FailoverColdStore(ColdBackend):
                 return False
             if self.state is ServingTier.RESTORING:
                 self._set(ServingTier.SHADOW, reason)  # the restore loop notices and stops
-                return True
-            self._set(ServingTier.SHADOW, reason)
-            self.failovers += 1
-            return True
+            else:
+                self._set(ServingTier.SHADOW, reason)
+                self.failovers += 1
+        self._notify_failover()
+        return True
+
+    def _notify_failover(self) -> None:
+        """Tell the store that SSD copies are no longer to be relied on (no lock held)."""
+        fn = self.on_failover
+        if fn is None:
+            return
+        try:
+            fn()
+        except Exception:  # the failover itself has happened; a hook bug must not undo it
+            log.exception("cold_failover_hook_failed")
 
     def _primary_faulted(self) -> bool:
         """New I/O errors on the primary since last looked (consumes them)."""
@@ -398,9 +413,11 @@ class FailoverColdStore(ColdBackend):
                         ok = False
                         if self.state is ServingTier.RESTORING:
                             self._set(ServingTier.SHADOW, f"restore failed: {exc}")
+                            self._notify_failover()
                     if not ok:
                         if self.state is ServingTier.RESTORING:
                             self._set(ServingTier.SHADOW, "restore failed: SSD write refused")
+                            self._notify_failover()
                         raise FailoverError(f"restore stopped after {moved} blocks: "
                                             "the SSD refused a write")
                     self.shadow.delete([b.key])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import random
 import threading
+import traceback
 
 import pytest
 
@@ -43,7 +44,7 @@ def test_concurrent_requests_moves_and_relocation(make_store, make_cold, faults)
         try:
             requests(name, seed)
         except Exception as exc:  # reported by the assertion below
-            errors.append(f"{name}: {exc!r}")
+            errors.append(f"{name}: {exc!r}\n{traceback.format_exc()}")
 
     def requests(name: str, seed: int) -> None:
         rng = random.Random(seed)

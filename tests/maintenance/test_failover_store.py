@@ -1,0 +1,94 @@
+"""The store over a failing-over cold tier: no block committed to warm, the shadow or a healthy
+SSD is lost when the SSD fails."""
+
+from __future__ import annotations
+
+import torch
+
+from kvagentd.kvcache.base import Tier
+from kvagentd.kvcache.store import TieredKVStore
+from kvagentd.maintenance.failover import ServingTier
+
+from .conftest import GEOM, NS, block
+
+BT = GEOM.block_tokens
+
+
+def _compute(st, session, tokens, first, n):
+    """Stand-in for the engine: block j of `tokens` holds `block(first + j)`."""
+    slots = st.allocate_hot(n, session)
+    assert slots is not None
+    for j, s in enumerate(slots):
+        st.hot_arena()[s].copy_(block(first + j))
+    return st.commit(session, tokens, slots, first)
+
+
+def _tier(st, k):
+    return {b.key: b.tier for b in st.snapshot()}[k]
+
+
+def test_warm_blocks_with_ssd_copies_survive_an_ssd_failure(tiers):
+    fo, fio = tiers()
+    bb = GEOM.block_bytes
+    st = TieredKVStore(GEOM, NS, hot_bytes=8 * bb, warm_bytes=8 * bb, cold=fo,
+                       persist_on_shutdown=False)
+    assert fo.on_failover == st.on_cold_failover
+    toks = list(range(6 * BT))
+    keys = _compute(st, "s", toks, 0, 4)
+    st.release("s")
+    # every block gets an SSD copy, then comes back up to warm: warm slot + SSD copy
+    assert st.demote(keys, Tier.COLD) == 4
+    assert all(fo.primary.contains(k) for k in keys)
+    assert st.promote(keys, Tier.WARM) == 4
+    assert all(_tier(st, k) is Tier.WARM for k in keys)
+    st.check_integrity()
+
+    # the SSD dies: the next cold write fails over to the shadow
+    fio.set(erofs=True, read_eio_rate=1.0)
+    more = _compute(st, "s", toks, 4, 1)
+    st.release("s")
+    assert st.demote(more, Tier.COLD) == 1
+    assert fo.serving is ServingTier.SHADOW and fo.shadow.contains(more[0])
+    assert st.stats()["cold_copies_dropped"] == 4
+    st.check_integrity()
+
+    # demoting the warm blocks now writes them to the shadow instead of trusting the SSD
+    assert st.demote(keys, Tier.COLD) == 4
+    assert all(fo.shadow.contains(k) for k in keys)
+    st.check_integrity()
+    r = st.ensure_resident(keys + more, "t")
+    assert r.missing_from is None, r
+    for j, s in enumerate(r.slots):
+        assert torch.equal(st.hot_arena()[s], block(j)), f"block {j} differs"
+    st.release("t")
+    assert st.stats()["lost"] == 0
+    st.check_integrity()
+
+    # fail back: everything moves to the SSD and still reads back
+    fio.clear()
+    assert fo.restore()["restored"] >= 5
+    assert st.demote(keys + more, Tier.COLD) == 5
+    r = st.ensure_resident(keys + more, "t")
+    assert r.missing_from is None
+    for j, s in enumerate(r.slots):
+        assert torch.equal(st.hot_arena()[s], block(j))
+    st.release("t")
+    st.check_integrity()
+    st.close()
+
+
+def test_dropped_blocks_also_drop_their_stale_ssd_records(tiers):
+    fo, fio = tiers()
+    bb = GEOM.block_bytes
+    st = TieredKVStore(GEOM, NS, hot_bytes=4 * bb, warm_bytes=4 * bb, cold=fo,
+                       persist_on_shutdown=False)
+    toks = list(range(2 * BT))
+    keys = _compute(st, "s", toks, 0, 2)
+    st.release("s")
+    assert st.demote(keys, Tier.COLD) == 2 and st.promote(keys, Tier.WARM) == 2
+    assert fo.activate("health monitor: device failed")
+    st.drop_session("s", keys)
+    assert st.stats()["blocks"] == 0
+    assert not any(fo.primary.contains(k) for k in keys)
+    st.check_integrity()
+    st.close()
