@@ -258,6 +258,11 @@ class FailoverColdStore(ColdBackend):
         self.shadow.on_evict = fn
 
     @property
+    def ttl_s(self) -> float:
+        """The cold TTL (the SSD store's; the shadow uses the same configuration)."""
+        return float(getattr(self.primary, "ttl_s", 0.0))
+
+    @property
     def bytes_used(self) -> int:
         return int(self.primary.bytes_used) + int(self.shadow.bytes_used)
 

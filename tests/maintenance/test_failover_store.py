@@ -92,3 +92,31 @@ def test_dropped_blocks_also_drop_their_stale_ssd_records(tiers):
     assert not any(fo.primary.contains(k) for k in keys)
     st.check_integrity()
     st.close()
+
+
+def test_a_failing_ssd_index_fails_over_and_loses_nothing(tiers):
+    from tests.kvcache.test_coldstore_index_faults import FailingIndex
+
+    fo, fio = tiers()
+    bb = GEOM.block_bytes
+    st = TieredKVStore(GEOM, NS, hot_bytes=4 * bb, warm_bytes=4 * bb, cold=fo,
+                       persist_on_shutdown=False)
+    toks = list(range(3 * BT))
+    keys = _compute(st, "s", toks, 0, 3)
+    st.release("s")
+    assert st.demote(keys[:1], Tier.COLD) == 1 and fo.primary.contains(keys[0])
+    # the SSD fills up: its index refuses every write from now on
+    fo.primary._db = idx = FailingIndex(fo.primary._db, fail_on=("COMMIT", "INSERT", "UPDATE"))
+    idx.armed = True
+    assert st.demote(keys[1:], Tier.COLD) == 2  # retried on the shadow
+    assert fo.serving is ServingTier.SHADOW
+    assert all(fo.shadow.contains(k) for k in keys[1:])
+    assert not idx.in_transaction
+    r = st.ensure_resident(keys, "t")  # the SSD record still reads; its touch is dropped
+    assert r.missing_from is None
+    for j, s in enumerate(r.slots):
+        assert torch.equal(st.hot_arena()[s], block(j))
+    st.release("t")
+    st.check_integrity()
+    assert fo.ttl_s == fo.primary.ttl_s
+    st.close()  # logs and continues
