@@ -880,30 +880,33 @@ class ColdStore(ColdBackend):
         files. Returns bytes reclaimed. Unreadable records are dropped and counted."""
         reclaimed = 0
         with self._write_lock, self._read_lock:
-            with self._lock:
-                segs = list(self._db.execute(
-                    "SELECT s.id, s.state, s.size, COALESCE(SUM(b.length), 0) FROM segments s "
-                    "LEFT JOIN blocks b ON b.segment = s.id WHERE s.state != 'active' GROUP BY s.id"))
-            for seg, state, size, live in segs:
-                if state != "retired" and size and (size - live) / size < min_dead_ratio:
-                    continue
-                if live and self._read_only:
-                    continue
-                if live and not self._move_live(seg):
-                    continue
-                fd = self._rfds.pop(seg, None)
-                if fd is not None:
-                    self.io.close(fd)
-                try:
-                    reclaimed += self.io.size(self._seg_path(seg))
-                    self.io.unlink(self._seg_path(seg))
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    log.warning("cold_unlink_failed", segment=seg, error=str(exc))
-                    continue
+            try:
                 with self._lock:
-                    self._db.execute("DELETE FROM segments WHERE id=?", (seg,))
+                    segs = list(self._db.execute(
+                        "SELECT s.id, s.state, s.size, COALESCE(SUM(b.length), 0) FROM segments s "
+                        "LEFT JOIN blocks b ON b.segment = s.id WHERE s.state != 'active' GROUP BY s.id"))
+                for seg, state, size, live in segs:
+                    if state != "retired" and size and (size - live) / size < min_dead_ratio:
+                        continue
+                    if live and self._read_only:
+                        continue
+                    if live and not self._move_live(seg):
+                        continue
+                    fd = self._rfds.pop(seg, None)
+                    if fd is not None:
+                        self.io.close(fd)
+                    try:
+                        reclaimed += self.io.size(self._seg_path(seg))
+                        self.io.unlink(self._seg_path(seg))
+                    except FileNotFoundError:
+                        pass
+                    except OSError as exc:
+                        log.warning("cold_unlink_failed", segment=seg, error=str(exc))
+                        continue
+                    with self._lock:
+                        self._db.execute("DELETE FROM segments WHERE id=?", (seg,))
+            except sqlite3.Error as exc:  # a full disk: what was moved stays consistent
+                self._index_failed("compact", exc)
         self.counters["compacted_bytes"] += reclaimed
         return reclaimed
 

@@ -155,3 +155,26 @@ def test_store_stays_serving_when_the_index_refuses_writes(make_store, make_cold
     assert cold.counters["write_failures"] == 2 and cold.counters["index_errors"] >= 1
     idx.armed = False
     st.close()
+
+
+def test_compaction_on_a_failing_index_keeps_every_record(make_cold, geometry):
+    cs = make_cold(segment_bytes=64 << 10)
+    keys, blocks = _keys(24), _blocks(geometry, 24)
+    for i in range(0, 24, 8):  # one 64 KiB segment each
+        assert all(cs.put_many(keys[i:i + 8], blocks[i:i + 8]))
+    assert cs.delete(keys[::2]) == 12
+    cs._db = idx = FailingIndex(cs._db, fail_on=("UPDATE", "DELETE", "INSERT", "COMMIT"))
+    idx.armed = True
+    cs.compact(min_dead_ratio=0.1)  # no raise; nothing half-moved
+    assert cs.counters["index_errors"] >= 1 and not idx.in_transaction
+    outs = [torch.empty(geometry.block_shape) for _ in keys[1::2]]
+    assert cs.read_into(keys[1::2], outs) == [True] * 12
+    for o, b in zip(outs, blocks[1::2]):
+        assert torch.equal(o, b)
+    idx.armed = False
+    assert cs.compact(min_dead_ratio=0.1) > 0
+    outs = [torch.empty(geometry.block_shape) for _ in keys[1::2]]
+    assert cs.read_into(keys[1::2], outs) == [True] * 12
+    for o, b in zip(outs, blocks[1::2]):
+        assert torch.equal(o, b)
+    cs.close()
