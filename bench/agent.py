@@ -85,6 +85,7 @@ def run_case(name: str, loaded: Any, args: argparse.Namespace, *, reports: bool,
                       assets=(AssetConfig(fault=FaultConfig(kind="outer_race", onset_s=120.0)),))
     agent = Agent(cfg, engine.executor, sched, d, store_stats=store.stats)
     s0 = store.stats()
+    cpu0 = time.process_time()
     agent.start()
     t_end = time.monotonic() + args.minutes * 60.0
     report_ids: list[str] = []
@@ -95,6 +96,7 @@ def run_case(name: str, loaded: Any, args: argparse.Namespace, *, reports: bool,
             report_ids.append(agent.reports.start("weekly", asset="pump-1"))
         time.sleep(0.25)
     sched.pause()
+    cpu_s = time.process_time() - cpu0
     st = agent.assets["pump-1"]
     lat = np.asarray(st.latencies, dtype=float)
     status = agent.status()["assets"]["pump-1"]
@@ -113,6 +115,9 @@ def run_case(name: str, loaded: Any, args: argparse.Namespace, *, reports: bool,
         "max_s": float(lat.max()) if lat.size else None,
         "skipped": st.skipped, "missed": st.missed, "llm_errors": st.llm_errors,
         "rollovers": st.rollovers, "prompt_tokens_reused": status["prompt_tokens_reused"],
+        "prefill_tokens_per_tick": (st.prompt_tokens - st.reused_tokens) / lat.size
+        if lat.size else None,
+        "cpu_s_per_tick": cpu_s / lat.size if lat.size else None,
         "hot_hit": loaded_by["hot"] / total if total else 0.0,
         "warm_hit": loaded_by["warm"] / total if total else 0.0,
         "cold_hit": loaded_by["cold"] / total if total else 0.0,
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
     p.add_argument("--o-direct", action="store_true")
+    p.add_argument("--result-name", default="agent", help="bench/results/NAME.json")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -159,10 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {name} for {args.minutes:g} min ...", file=sys.stderr)
         rows.append(run_case(name, loaded, args, reports=reports, reuse=reuse))
     headers = ["run", "ticks", "p50 s", "p99 s", "max s", "skipped", "missed", "hot", "warm",
-               "cold", "reused tok", "reports", "load"]
+               "cold", "reused tok", "prefill tok/tick", "cpu s/tick", "reports", "load"]
     print_table(headers, [[r["run"], r["ticks"], r["p50_s"], r["p99_s"], r["max_s"], r["skipped"],
                            r["missed"], f"{r['hot_hit']:.1%}", f"{r['warm_hit']:.1%}",
                            f"{r['cold_hit']:.1%}", r["prompt_tokens_reused"],
+                           r["prefill_tokens_per_tick"], r["cpu_s_per_tick"],
                            f"{r['reports_done']}/{r['reports_started']}",
                            r["loadavg_1m_mean"]] for r in rows],
                 title=f"agent ticks every {args.interval:g} s for {args.minutes:g} min per run, "
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                   Goal("(b) skipped + missed ticks", by["b"]["skipped"] + by["b"]["missed"], "<=",
                        0)]
     cmd = "OMP_NUM_THREADS=1 .venv/bin/python -m bench.agent " + " ".join(argv or sys.argv[1:])
-    write_result(Result("agent", cmd.strip(), figures={"runs": rows, "args": vars(args)},
+    write_result(Result(args.result_name, cmd.strip(), figures={"runs": rows, "args": vars(args)},
                         goals=goals))
     return 0
 
