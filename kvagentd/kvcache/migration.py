@@ -36,6 +36,7 @@ class Move:
     dst: Tier
     src_slot: int | None
     dst_slot: int | None
+    wrote: bool = False  # a cold write stored it now (not an existing cold copy)
 
 
 def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -139,6 +140,8 @@ class Migrator:
         else:
             res = [self.cold.put(k, b, session=session) for k, b in zip(keys, blocks)]
         done = {mv.meta.key for mv, r in zip(todo, res) if r}
+        for mv in todo:
+            mv.wrote = mv.meta.key in done
         return [mv.meta.in_cold or mv.meta.key in done for mv in moves]
 
     def complete(self, moves: Sequence[Move], ok: Sequence[bool]) -> list[BlockMeta]:

@@ -326,6 +326,11 @@ class TieredKVStore(KVStore):
     def _run_prepared(self, moves) -> int:
         ok = self._mig.copy(moves)
         with self._cond:
+            if self._recheck_cold:  # a demotion that relied on a copy on a failed device
+                for i, mv in enumerate(moves):
+                    if ok[i] and mv.dst is Tier.COLD and not mv.wrote \
+                            and mv.meta.key in self._recheck_cold:
+                        ok[i] = False  # stays resident; written to the new backend next time
             lost = self._mig.complete(moves, ok)
             for mv in moves:
                 self._lru_update(mv.meta)
@@ -476,9 +481,11 @@ class TieredKVStore(KVStore):
             for m in self._meta.values():
                 if not m.in_cold:
                     continue
-                if m.state is BlockState.MIGRATING and m.src_state is BlockState.COLD:
-                    self._recheck_cold.add(m.key)
-                elif m.tier is not Tier.COLD:
+                if m.state is BlockState.MIGRATING:
+                    self._recheck_cold.add(m.key)  # settled when its move completes
+                    if m.src_state is BlockState.COLD:
+                        continue
+                if m.tier is not Tier.COLD:
                     n += self._drop_cold_copy(m)
         log.warning("store_cold_copies_dropped", blocks=n)
         return n

@@ -120,3 +120,35 @@ def test_a_failing_ssd_index_fails_over_and_loses_nothing(tiers):
     st.check_integrity()
     assert fo.ttl_s == fo.primary.ttl_s
     st.close()  # logs and continues
+
+
+def test_a_failover_during_a_demotion_keeps_the_block_resident(tiers):
+    fo, fio = tiers()
+    bb = GEOM.block_bytes
+    st = TieredKVStore(GEOM, NS, hot_bytes=4 * bb, warm_bytes=4 * bb, cold=fo,
+                       persist_on_shutdown=False)
+    toks = list(range(2 * BT))
+    keys = _compute(st, "s", toks, 0, 2)
+    st.release("s")
+    assert st.demote(keys, Tier.COLD) == 2 and st.promote(keys, Tier.WARM) == 2
+    copy = st._mig.copy
+
+    def copy_then_fail(moves):  # the SSD fails while the demotion is in flight
+        ok = copy(moves)
+        fio.set(read_eio_rate=1.0, erofs=True)
+        fo.activate("health monitor: device failed")
+        return ok
+
+    st._mig.copy = copy_then_fail
+    assert st.demote(keys, Tier.COLD) == 0  # it relied on the SSD copies: reverted
+    st._mig.copy = copy
+    assert all(_tier(st, k) is Tier.WARM for k in keys)
+    st.check_integrity()
+    assert st.demote(keys, Tier.COLD) == 2 and all(fo.shadow.contains(k) for k in keys)
+    r = st.ensure_resident(keys, "t")
+    assert r.missing_from is None
+    for j, s in enumerate(r.slots):
+        assert torch.equal(st.hot_arena()[s], block(j))
+    st.release("t")
+    st.check_integrity()
+    st.close()
