@@ -45,8 +45,8 @@ def asset_profile(asset: AssetConfig) -> str:
 def observation(t: float, f: Features) -> str:
     """One compact line of features (one user turn per tick; the date is in the profile)."""
     env = " ".join(f"{k} {v:.1f}x" for k, v in f.envelope_ratio.items())
-    return (f"{time.strftime('%H:%M:%S', time.gmtime(t))} rms {f.rms_mm_s:.2f} mm/s zone "
-            f"{f.zone}, crest {f.crest:.1f}, kurtosis {f.kurtosis:.1f}, {env}"
+    return (f"Measurement {time.strftime('%H:%M:%S', time.gmtime(t))} rms {f.rms_mm_s:.2f} mm/s "
+            f"zone {f.zone}, crest {f.crest:.1f}, kurtosis {f.kurtosis:.1f}, {env}"
             f"{' ANOMALY' if f.anomaly else ''}. Status?")
 
 
