@@ -223,7 +223,7 @@ class Daemon:
                                  device=self.model.device,
                                  persist_on_shutdown=cfg.kv.persist_on_shutdown)
         if name == "placement":
-            if self.store is None:
+            if self.store is None or self.model is None:
                 return None
             from kvagentd.kvcache.placement import PlacementService
 
@@ -242,7 +242,9 @@ class Daemon:
         if name == "maintenance":
             from kvagentd.maintenance.service import Maintenance
 
-            return Maintenance(cfg, self.store, self.cold, self.scheduler, is_idle=self.is_idle)
+            # Without a model there is no store to maintain; NVMe tuning and SSD health still run.
+            store = self.store if self.model is not None else None
+            return Maintenance(cfg, store, self.cold, self.scheduler, is_idle=self.is_idle)
         if name == "agent":
             if not cfg.agent.enabled:
                 return None

@@ -56,11 +56,12 @@ def build_cold_tier(config: Config, geometry: KVGeometry, namespace: bytes, *,
         log.warning("fault_injection_on", plan=str(plan))
     primary = ColdStore(kv.cold_dir, geometry, namespace, codec=kv.cold_codec,
                         capacity_bytes=kv.cold_capacity_bytes, segment_bytes=kv.segment_bytes,
-                        io_unit_bytes=kv.io_unit_bytes, o_direct=kv.o_direct, file_io=fio)
+                        io_unit_bytes=kv.io_unit_bytes, o_direct=kv.o_direct, file_io=fio,
+                        ttl_s=kv.cold_ttl_s, io_threads=kv.io_threads)
     shadow_seg = max(1 << 20, min(int(kv.segment_bytes), int(m.shadow_bytes) // 4))
     shadow = ColdStore(m.shadow_dir, geometry, namespace, codec=kv.cold_codec,
                        capacity_bytes=m.shadow_bytes, segment_bytes=shadow_seg,
-                       io_unit_bytes=kv.io_unit_bytes, o_direct=False)
+                       io_unit_bytes=kv.io_unit_bytes, o_direct=False, ttl_s=kv.cold_ttl_s)
     return FailoverColdStore(primary, shadow, geometry, probe_dir=kv.cold_dir, file_io=fio,
                              failback_good_probes=m.failback_good_probes,
                              shadow_capacity_bytes=int(m.shadow_bytes))
@@ -180,6 +181,10 @@ class Maintenance:
 
     def _health_job(self) -> None:
         self.monitor.check()
+        if self.store is not None:
+            expired = self.store.expire_cold()  # cold TTL (refreshed on access)
+            if expired:
+                log.info("cold_ttl_expired", blocks=expired)
 
     def _scrub_job(self) -> None:
         if self.scrubber is not None:

@@ -172,7 +172,7 @@ def test_socket_answers_during_a_slow_start_but_service_routes_wait(tmp: Path) -
 
     seen: dict[str, Any] = {}
     d = _daemon(tmp)
-    d.router.route("GET", "/v1/sessions")(lambda req: {"sessions": []})
+    d.router.route("GET", "/v1/probe")(lambda req: {"sessions": []})
 
     class SlowEngine(FakeService):
         def start(self) -> None:  # runs while the daemon is starting: query it like kvctl
@@ -180,7 +180,7 @@ def test_socket_answers_during_a_slow_start_but_service_routes_wait(tmp: Path) -
                               base_url="http://kvagentd", timeout=5) as c:
                 seen["status"] = c.get("/v1/status").json()
                 seen["readyz"] = c.get("/v1/readyz").status_code
-                seen["sessions"] = c.get("/v1/sessions").status_code
+                seen["sessions"] = c.get("/v1/probe").status_code
 
     d.engine = SlowEngine("engine", [])
     d.startup()
@@ -189,7 +189,7 @@ def test_socket_answers_during_a_slow_start_but_service_routes_wait(tmp: Path) -
         assert (seen["readyz"], seen["sessions"]) == (503, 503)
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(d.config.control.socket)),
                           base_url="http://kvagentd", timeout=5) as c:
-            assert c.get("/v1/sessions").json() == {"sessions": []}
+            assert c.get("/v1/probe").json() == {"sessions": []}
     finally:
         d.shutdown()
 
