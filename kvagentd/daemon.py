@@ -177,14 +177,14 @@ class Daemon:
             if self._stop_reason is not None:
                 log.info("startup_interrupted", reason=self._stop_reason, before=name)
                 return
-            self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
-            self.notifier.status(f"starting {name}")
             started = time.monotonic()
             if getattr(self, name) is None:
                 setattr(self, name, self._build(name))
             service = getattr(self, name)
             if service is None:
                 continue
+            self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
+            self.notifier.status(f"starting {name}")
             service.start()
             self._started.append(name)
             log.info("service_started", service=name,
@@ -212,6 +212,7 @@ class Daemon:
             from kvagentd.kvcache.store import TieredKVStore
             from kvagentd.maintenance.service import build_cold_tier
 
+            self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
             self.notifier.status("loading model")
             self.model = load_model(cfg.model, Path(cfg.daemon.cache_dir))
             geometry = model_geometry(self.model.model, cfg.kv.block_tokens, self.model.dtype)

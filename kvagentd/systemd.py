@@ -44,7 +44,9 @@ class Notifier:
         if self._sock is None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         try:
-            self._sock.sendto("\n".join(fields).encode(), self._addr)
+            # NOTE: non-blocking: a manager that does not read its socket must never stall
+            # the daemon (a datagram socket's queue is short); such a message is dropped.
+            self._sock.sendto("\n".join(fields).encode(), socket.MSG_DONTWAIT, self._addr)
         except OSError as exc:
             if not self._warned:  # systemd gone or socket misconfigured: say it once
                 log.warning("sd_notify_failed", error=str(exc), fields=list(fields))
