@@ -243,9 +243,9 @@ class Daemon:
         if name == "maintenance":
             from kvagentd.maintenance.service import Maintenance
 
-            # Without a model there is no store to maintain; NVMe tuning and SSD health still run.
-            store = self.store if self.model is not None else None
-            return Maintenance(cfg, store, self.cold, self.scheduler, is_idle=self.is_idle)
+            if self.cold is None:
+                return None  # no model, no KV tiers: nothing to maintain
+            return Maintenance(cfg, self.store, self.cold, self.scheduler, is_idle=self.is_idle)
         if name == "agent":
             if not cfg.agent.enabled:
                 return None
