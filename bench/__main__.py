@@ -11,7 +11,7 @@ SKIP = {"common", "__main__"}
 
 
 def main() -> int:
-    names = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent))
+    names = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])
                    if m.name not in SKIP and not m.name.startswith("_") and not m.ispkg)
     only = set(sys.argv[1:])
     failed = []

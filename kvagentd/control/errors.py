@@ -129,3 +129,11 @@ def for_status(status: int, message: str) -> ApiError:
         err.status = status
         return err
     return cls(message)
+
+
+def require_service(daemon: object, name: str, missing: str) -> Any:
+    """The daemon's service `name`, or NotReady(`missing`) while it is absent or starting."""
+    service = getattr(daemon, name, None)
+    if service is None:
+        raise NotReady(missing)
+    return service

@@ -216,16 +216,11 @@ class ColdBackend(ABC):
 
     @abstractmethod
     def snapshot(self) -> list[BlockInfo]:
-        """Metadata of every known block, for placement / prefetch / defrag planning."""
-
-    @abstractmethod
-    def relocate(self, tier: Tier, moves: Sequence[tuple[int, int]]) -> int:
-        """Defrag primitive: move idle blocks between slots of one pool (src, dst) atomically
-        with respect to readers; skips blocks in use; returns how many moved."""
+        """One row per record (tier COLD, sessions from the stored references)."""
 
     @abstractmethod
     def evict(self, keys: Sequence[BlockKey]) -> int:
-        """Forget blocks entirely (cold TTL expiry, space floor); skips pinned or in-use."""
+        """Delete records to free space (TTL expiry, capacity); returns how many went."""
 
     @abstractmethod
     def stats(self) -> dict[str, object]: ...

@@ -869,10 +869,6 @@ class ColdStore(ColdBackend):
         return [BlockInfo(k, Tier.COLD, False, False, tuple(refs.get(k, ())), la, ln)
                 for k, la, ln in rows]
 
-    def relocate(self, tier: Tier, moves: Sequence[tuple[int, int]]) -> int:
-        """Cold records have no slots; use `compact` to reclaim space."""
-        return 0
-
     # -- maintenance -----------------------------------------------------------------------
     def compact(self, min_dead_ratio: float = 0.5) -> int:
         """Rewrite the live records of non-active segments whose dead share is at least

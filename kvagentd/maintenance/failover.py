@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 import structlog
 import torch
 
-from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdBackend, KVGeometry, Tier
+from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdBackend, KVGeometry
 from kvagentd.kvcache.fileio import FileIO
 
 log = structlog.get_logger(__name__)
@@ -211,9 +211,6 @@ class FailoverColdStore(ColdBackend):
         rows = {b.key: b for b in self.primary.snapshot()}
         rows.update({b.key: b for b in self.shadow.snapshot()})
         return list(rows.values())
-
-    def relocate(self, tier: Tier, moves: Sequence[tuple[int, int]]) -> int:
-        return 0  # cold records have no slots; cold defrag is segment compaction
 
     def evict(self, keys: Sequence[BlockKey]) -> int:
         return self.delete(keys)

@@ -18,7 +18,7 @@ import re
 import time
 from typing import Any
 
-from kvagentd.control.errors import BadRequest, NotFound, NotReady
+from kvagentd.control.errors import BadRequest, NotFound, NotReady, require_service
 from kvagentd.control.router import Request, Router
 
 _AGE_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -44,10 +44,7 @@ def register(router: Router, daemon: Any) -> None:
     from kvagentd.agent.reports import ReportError
 
     def agent() -> Any:
-        a = getattr(daemon, "agent", None)
-        if a is None:
-            raise NotReady("the agent is not running")
-        return a
+        return require_service(daemon, "agent", "the agent is not running")
 
     def scheduler() -> Any:
         s = getattr(daemon, "scheduler", None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvagentd.control.errors import BadRequest, NotFound, NotReady
+from kvagentd.control.errors import BadRequest, NotFound, require_service
 from kvagentd.control.router import Request, Router
 from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.keys import parse_key
@@ -18,10 +18,7 @@ _RANK = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
 def register(router: Router, daemon: Any) -> None:
 
     def store() -> Any:
-        s = getattr(daemon, "store", None)
-        if s is None:
-            raise NotReady("the block store is not running")
-        return s
+        return require_service(daemon, "store", "the block store is not running")
 
     def target_keys(s: Any, body: dict[str, Any]) -> list[bytes]:
         """Keys named by {"session": ID} or {"block": HEX}; exactly one of them."""

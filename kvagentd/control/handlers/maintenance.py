@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import structlog
 
-from kvagentd.control.errors import (BadRequest, Busy, Forbidden, Internal, NotReady,
+from kvagentd.control.errors import (BadRequest, Busy, Forbidden, Internal, require_service,
                                       to_api_error)
 from kvagentd.control.router import Request, Router
 
@@ -25,10 +25,7 @@ TIERS = ("hot", "warm", "cold", "all")
 def register(router: Router, daemon: Any) -> None:
 
     def svc() -> Any:
-        m = getattr(daemon, "maintenance", None)
-        if m is None:
-            raise NotReady("maintenance service is not running")
-        return m
+        return require_service(daemon, "maintenance", "maintenance service is not running")
 
     @router.route("GET", "/v1/defrag", change=False)
     def fragmentation(req: Request) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from kvagentd.control.errors import BadRequest, NotReady
+from kvagentd.control.errors import BadRequest, require_service
 from kvagentd.control.router import Request, Response, Router, NDJSON_TYPE
 from kvagentd.kvcache.trace import iter_jsonl
 
@@ -16,10 +16,7 @@ from kvagentd.kvcache.trace import iter_jsonl
 def register(router: Router, daemon: Any) -> None:
 
     def placement() -> Any:
-        p = getattr(daemon, "placement", None)
-        if p is None:
-            raise NotReady("placement is not running")
-        return p
+        return require_service(daemon, "placement", "placement is not running")
 
     @router.route("GET", "/v1/placement", change=False)
     def get_placement(req: Request) -> dict[str, Any]:

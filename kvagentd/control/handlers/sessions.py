@@ -13,16 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from kvagentd.control.errors import BadRequest, Busy, NotFound, NotReady
+from kvagentd.control.errors import BadRequest, Busy, NotFound, require_service
 from kvagentd.control.router import Request, Router
 
 
 def register(router: Router, daemon: Any) -> None:
     def engine() -> Any:
-        eng = getattr(daemon, "engine", None)
-        if eng is None:
-            raise NotReady("no model is loaded (model.source = 'none', or still starting)")
-        return eng
+        return require_service(daemon, "engine",
+                               "no model is loaded (model.source = 'none', or still starting)")
 
     def session_id(req: Request) -> str:
         from kvagentd.engine.sessions import valid_session_id
