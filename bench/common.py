@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from kvagentd import log as _log
+
+# NOTE: benchmarks time the data path, not log formatting: only warnings and errors are printed
+# (per-block DEBUG events would otherwise dominate short operations).
+_log.configure("warning")
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 

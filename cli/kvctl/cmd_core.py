@@ -98,9 +98,97 @@ def render_status(s: dict[str, Any]) -> str:
     for name, value in s.items():
         if name in _CORE_KEYS or not isinstance(value, dict):
             continue
-        lines.append(f"{name}:")
-        lines.append(render.kv(value, 1))
+        summary = _summary(name, value)
+        if summary is not None:
+            lines.extend(summary)
+        else:
+            lines.append(f"{name}:")
+            lines.append(render.kv(value, 1))
+    if any(name in _SUMMARIES for name in s):
+        lines.append("(kvctl status --json shows every counter)")
     return "\n".join(lines)
+
+
+def _summary(name: str, value: dict[str, Any]) -> list[str] | None:
+    """A few lines for a service whose status has the expected shape, else None (the caller
+    prints every field): a newer or older daemon must never break `kvctl status`."""
+    summarize = _SUMMARIES.get(name)
+    if summarize is None or "error" in value:
+        return None
+    try:
+        return summarize(value)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _store_summary(v: dict[str, Any]) -> list[str]:
+    tiers = v.get("tiers") or {}
+    out = []
+    for t in ("hot", "warm"):
+        d = tiers.get(t) or {}
+        out.append(f"{t:<8} {d.get('blocks', 0)} / {d.get('capacity', '?')} blocks  "
+                   f"{render.size(d.get('bytes'))}  fragmentation "
+                   f"{render.percent(100 * (d.get('fragmentation') or 0))}  {d.get('device', '')}")
+    c = tiers.get("cold") or {}
+    fo = c.get("failover") or {}
+    out.append(f"cold     {c.get('blocks', 0)} blocks  {render.size(c.get('bytes_used'))} of "
+               f"{render.size(c.get('capacity_bytes'))}  codec {c.get('codec', '?')}"
+               f"{'  READ-ONLY' if c.get('read_only') else ''}"
+               + (f"  serving {fo.get('serving')}" if fo else ""))
+    out.append(f"loads    hot {v.get('loaded_hot', 0)}  warm {v.get('loaded_warm', 0)}  cold "
+               f"{v.get('loaded_cold', 0)}  lost {v.get('lost', 0)}  migrations "
+               f"{v.get('migrations', 0)}")
+    return out
+
+
+def _engine_summary(v: dict[str, Any]) -> list[str]:
+    ex = v.get("executor") or {}
+    q = ex.get("queued") or {}
+    running = ", ".join(str(a.get("session")) for a in ex.get("active") or []) or "-"
+    return [f"model    {v.get('model', '?')}  {v.get('dtype', '?')} on {v.get('device', '?')}  "
+            f"sessions {v.get('sessions', 0)}",
+            f"executor queued tick {q.get('tick', 0)} ask {q.get('ask', 0)} report "
+            f"{q.get('report', 0)} (max {ex.get('queue_size', '?')})  running {running}  "
+            f"done {ex.get('completed', 0)}  failed {ex.get('failed', 0)}  busy "
+            f"{ex.get('rejected', 0)}"]
+
+
+def _placement_summary(v: dict[str, Any]) -> list[str]:
+    last = v.get("last_round") or {}
+    moves = sum((last.get("moves") or {}).values()) if last else 0
+    return [f"placement {v.get('policy', '?')}  rounds {v.get('rounds', 0)}  errors "
+            f"{v.get('errors', 0)}  last round {moves} moves, planned in "
+            f"{1000 * (last.get('decision_s') or 0):.1f} ms"]
+
+
+def _maintenance_summary(v: dict[str, Any]) -> list[str]:
+    fo = v.get("failover") or {}
+    health = v.get("health") or {}
+    defrag = v.get("defrag") or {}
+    return [f"maint    SSD health {health.get('state', '?')}  cold served by "
+            f"{fo.get('serving', '?')}  defrag runs {defrag.get('runs', 0)}"]
+
+
+def _agent_summary(v: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, a in (v.get("assets") or {}).items():
+        rows.append({"asset": name, "zone": a.get("last_zone") or "-",
+                     "assessed": render.duration(a.get("last_assessment_age_s")) + " ago"
+                     if a.get("last_assessment_age_s") is not None else "-",
+                     "p50": render.duration(a.get("tick_latency_p50_s")),
+                     "p99": render.duration(a.get("tick_latency_p99_s")),
+                     "ticks": a.get("ticks", 0), "skipped": a.get("skipped_ticks", 0),
+                     "bad": a.get("bad_samples_total", 0), "session": a.get("session") or "-"})
+    table = render.table(rows, [("asset", "asset"), ("zone", "zone"), ("assessed", "assessed"),
+                                ("p50", "tick p50"), ("p99", "tick p99"), ("ticks", "ticks"),
+                                ("skipped", "skipped"), ("bad", "bad samples"),
+                                ("session", "session")])
+    return ["agent:", table]
+
+
+_SUMMARIES = {"store": _store_summary, "engine": _engine_summary,
+              "placement": _placement_summary, "maintenance": _maintenance_summary,
+              "agent": _agent_summary}
 
 
 def render_health(h: dict[str, Any]) -> str:

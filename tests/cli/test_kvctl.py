@@ -184,3 +184,31 @@ def test_stream_helper_yields_items_and_maps_failures(h: Harness,
     with pytest.raises(typer.Exit) as exc:
         _collect(Opts(socket=h.path.parent / "absent.sock"), "/test/text")
     assert exc.value.exit_code == 69
+
+
+def test_status_summarizes_services_it_knows(h: Harness, capsys: pytest.CaptureFixture[str]) -> None:
+    h.daemon.status = lambda: {  # type: ignore[method-assign]
+        "version": "0.1.0", "pid": 42, "phase": "running", "ready": True, "uptime_s": 60.0,
+        "gpu": None, "gpu_reason": "no GPU",
+        "store": {"tiers": {"hot": {"blocks": 27, "capacity": 364, "bytes": 19906560,
+                                    "fragmentation": 0.25, "device": "cpu"},
+                            "warm": {"blocks": 0, "capacity": 364, "bytes": 0,
+                                     "fragmentation": 0.0, "device": "cpu"},
+                            "cold": {"blocks": 5, "bytes_used": 1 << 20,
+                                     "capacity_bytes": 1 << 30, "codec": "raw",
+                                     "read_only": True, "failover": {"serving": "shadow"}}},
+                  "loaded_hot": 1, "loaded_warm": 2, "loaded_cold": 3, "lost": 4},
+        "agent": {"assets": {"pump-1": {"last_zone": "C", "last_assessment_age_s": 2.0,
+                                        "tick_latency_p50_s": 1.5, "tick_latency_p99_s": 2.5,
+                                        "ticks": 9, "skipped_ticks": 1,
+                                        "bad_samples_total": 0, "session": "pump-1-2"}}},
+        "engine": {"model": "SmolLM2", "executor": "not a dict"},
+    }
+    code, out, _ = kvctl(capsys, "--socket", str(h.path), "status")
+    assert code == 0
+    assert "hot      27 / 364 blocks" in out and "fragmentation 25.0%" in out
+    assert "READ-ONLY" in out and "serving shadow" in out
+    assert "cold 3  lost 4" in out
+    row = next(line for line in out.splitlines() if line.startswith("pump-1"))
+    assert row.split()[:2] == ["pump-1", "C"] and "pump-1-2" in row
+    assert "engine:" in out and "executor: not a dict" in out  # unexpected shape: every field
