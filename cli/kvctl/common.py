@@ -14,6 +14,7 @@ an option given after the command wins.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -98,12 +99,11 @@ def _unreachable_hint(path: Path) -> str:
             f"(or pass --socket / set ${SOCKET_ENV})")
 
 
-def call(o: Opts, method: str, path: str, *, params: dict[str, Any] | None = None,
-         body: Any = None, ok: tuple[int, ...] = ()) -> Any:
-    """One request to the daemon; on failure, report and exit with the matching code."""
+@contextlib.contextmanager
+def _failures_exit(o: Opts) -> Iterator[None]:
+    """Report a failed request and exit with the matching code (the one mapping for kvctl)."""
     try:
-        with Client(o.socket, o.timeout) as client:
-            return client.request(method, path, params=params, body=body, ok=ok)
+        yield
     except ApiFailure as exc:
         fail(o, exit_code_for(exc.status, exc.kind), exc.kind, exc.message)
     except DaemonUnreachable as exc:
@@ -115,25 +115,20 @@ def call(o: Opts, method: str, path: str, *, params: dict[str, Any] | None = Non
     except RequestTimedOut as exc:
         fail(o, EX_TEMPFAIL, "timeout", f"no reply within {o.timeout:g} s ({exc})",
              "the daemon is busy; retry or raise --timeout")
+
+
+def call(o: Opts, method: str, path: str, *, params: dict[str, Any] | None = None,
+         body: Any = None, ok: tuple[int, ...] = ()) -> Any:
+    """One request to the daemon; on failure, report and exit with the matching code."""
+    with _failures_exit(o), Client(o.socket, o.timeout) as client:
+        return client.request(method, path, params=params, body=body, ok=ok)
 
 
 def stream(o: Opts, method: str, path: str, *, params: dict[str, Any] | None = None,
            body: Any = None) -> Iterator[Any]:
     """Like `call`, for streamed replies: yields NDJSON objects or text pieces."""
-    try:
-        with Client(o.socket, o.timeout) as client:
-            yield from client.stream(method, path, params=params, body=body)
-    except ApiFailure as exc:
-        fail(o, exit_code_for(exc.status, exc.kind), exc.kind, exc.message)
-    except DaemonUnreachable as exc:
-        fail(o, EX_UNAVAILABLE, "unreachable", f"cannot reach kvagentd: {exc.reason}",
-             _unreachable_hint(exc.socket_path))
-    except SocketForbidden as exc:
-        fail(o, EX_NOPERM, "forbidden", f"may not connect to {exc.socket_path}: {exc.reason}",
-             "the socket is for members of the kvagent group (see control.socket_group)")
-    except RequestTimedOut as exc:
-        fail(o, EX_TEMPFAIL, "timeout", f"no reply within {o.timeout:g} s ({exc})",
-             "the daemon is busy; retry or raise --timeout")
+    with _failures_exit(o), Client(o.socket, o.timeout) as client:
+        yield from client.stream(method, path, params=params, body=body)
 
 
 def usage_error(o: Opts, message: str) -> NoReturn:
