@@ -284,6 +284,7 @@ def _run(args: argparse.Namespace, root: Path, shadow: Path, clock: SimClock, c:
         from apscheduler.schedulers.background import BackgroundScheduler
 
         from kvagentd.agent.agent import Agent
+        from kvagentd.agent.model_client import ModelClient
         from kvagentd.engine.service import Engine
 
         engine = Engine(loaded, store, state_dir=root / "engine")
@@ -291,6 +292,7 @@ def _run(args: argparse.Namespace, root: Path, shadow: Path, clock: SimClock, c:
         sched = BackgroundScheduler()
         agent = Agent(cfg.agent, None, sched, root / "agent", clock=clock,
                       store_stats=store.stats)
+        llm = ModelClient(engine, cfg.agent)
         agent.start()
     traffic = Traffic(store, geom, args.assets, c)
     total = int(args.hours * 3600 / TICK_S)
@@ -319,10 +321,11 @@ def _run(args: argparse.Namespace, root: Path, shadow: Path, clock: SimClock, c:
         for a in traffic.assets:
             ok = traffic.turn(a, clock(), reading_faulty) and ok
         if agent is not None and tick % args.agent_every == 0:
-            agent.executor = engine if (args.llm_every and tick % args.llm_every == 0) else None
+            # NOTE: the LLM step runs on every `llm_every`-th agent tick only.
+            agent.model = llm if (args.llm_every and tick % args.llm_every == 0) else None
             row = agent.tick_once("pump-1")
             c.agent_ticks += 1
-            if agent.executor is not None:
+            if agent.model is not None:
                 c.llm_ticks += 1
                 if row.get("assessment") is None:
                     c.agent_llm_errors += 1

@@ -34,10 +34,10 @@ from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExe
 from kvagentd.agent import jobs, prompts
 from kvagentd.agent.events import EventLog
 from kvagentd.agent.features import extract
+from kvagentd.agent.model_client import Completion, Executor, ModelClient
 from kvagentd.agent.reports import ReportWriter
 from kvagentd.agent.sensors import BadData, SensorSource, make_source, validate
 from kvagentd.config import AgentConfig, AssetConfig
-from kvagentd.engine.executor import GenerationRequest, Priority, QueueFull
 
 log = structlog.get_logger(__name__)
 
@@ -83,17 +83,21 @@ class Agent:
     sensors are read at (a simulated clock for soak runs); `store_stats` returns the KV store's
     `stats()` (replay reports record the tier loads they caused)."""
 
-    def __init__(self, config: AgentConfig, executor: Any | None, scheduler: Any,
+    def __init__(self, config: AgentConfig, executor: Executor | None, scheduler: Any,
                  state_dir: Path, clock: Callable[[], float] = time.time,
                  store_stats: Callable[[], dict[str, Any]] | None = None) -> None:
         self.config = config
-        self.executor = executor
+        self.model = ModelClient(executor, config) if executor is not None else None
         self.scheduler = scheduler
         self.state_dir = Path(state_dir)
         self.clock = clock
-        self.store_stats = store_stats
         self.events = EventLog(self.state_dir / "events.sqlite")
-        self.reports = ReportWriter(self, self.state_dir / "reports")
+        self.reports = ReportWriter(
+            self.state_dir / "reports", events=self.events,
+            assets={a.name: a for a in config.assets},
+            generate=self.model.generate if self.model is not None else None, clock=clock,
+            store_stats=store_stats, retire_session=self.retire_session,
+            period_s=config.report_period_s)
         self.started_at: float | None = None
         self._running = False
         start = clock()
@@ -118,7 +122,7 @@ class Agent:
         if self.config.enabled:
             self._schedule(self.config)
         self._running = True
-        log.info("agent.started", assets=list(self.assets), llm=self.executor is not None)
+        log.info("agent.started", assets=list(self.assets), llm=self.model is not None)
 
     def stop(self) -> None:
         """Remove the jobs, wait for a tick in flight and for running reports, close."""
@@ -141,6 +145,8 @@ class Agent:
         """Apply a new tick interval / report cron; asset changes need a restart."""
         old = self.config
         self.config = config
+        if self.model is not None:
+            self.model.reload(config)
         if self._running and config.enabled:
             self._schedule(config)
         restart = [a.name for a in config.assets] != [a.name for a in old.assets]
@@ -205,15 +211,13 @@ class Agent:
             return self.events.get(eid) or {}
         feats = extract(window, a)
         st.last_zone, st.last_t = feats.zone, now
-        use_llm = a.llm and self.executor is not None
-        session, text, system = None, None, None
-        if use_llm:
-            session, text, system = self._next_turn(st, now, prompts.observation(now, feats))
+        use_llm = a.llm and self.model is not None
+        turn = self._next_turn(st, now, prompts.observation(now, feats)) if use_llm else None
         eid = self.events.append(t=now, asset=a.name, features=feats.as_dict(), zone=feats.zone,
-                                 anomaly=feats.anomaly, session=session)
+                                 anomaly=feats.anomaly, session=turn[0] if turn else None)
         assessment, note = None, None
-        if use_llm:
-            assessment, note = self._assess(st, session, text, system)
+        if turn is not None:
+            assessment, note = self._assess(st, *turn)
         latency = time.perf_counter() - t0
         st.latencies.append(latency)
         self.events.complete(eid, assessment=assessment, latency_s=latency, note=note)
@@ -236,38 +240,31 @@ class Agent:
 
     def _assess(self, st: AssetState, session: str, text: str,
                 system: str | None) -> tuple[str | None, str | None]:
-        """Submit the turn at TICK priority and wait for it; returns (assessment, error note)."""
-        req = GenerationRequest(session=session, text=text, system=system,
-                                max_new_tokens=self.config.assessment_max_tokens,
-                                priority=Priority.TICK,
-                                deadline_s=max(10.0, 10.0 * self.config.tick_interval_s))
-        try:
-            job = self.executor.submit(req)
-        except QueueFull:
+        """Submit the turn (`ModelClient.submit_tick`); returns (assessment, error note)."""
+        assert self.model is not None
+        done = self.model.submit_tick(session, text, system)
+        self._account(st, done)
+        return done.text, done.error
+
+    def _account(self, st: AssetState, done: Completion) -> None:
+        """Record a tick's completion on the asset's state (session size, reuse, errors)."""
+        res = done.result
+        if res is None:
             st.llm_errors += 1
-            return None, "llm: queue full"
-        try:
-            res = job.result(timeout=max(30.0, 10.0 * self.config.tick_interval_s))
-        except TimeoutError:
-            job.cancel()
-            st.llm_errors += 1
-            return None, "llm: timeout"
-        except Exception as exc:  # noqa: BLE001 - a failed generation must not end the tick job
-            st.llm_errors += 1
-            log.warning("agent.llm_failed", asset=st.asset.name, session=session, error=repr(exc))
-            return None, f"llm: {type(exc).__name__}: {exc}"
+            return
         total = int(res.prompt_tokens) + int(res.new_tokens)
         st.turn_tokens = max(0, total - st.session_tokens)
         st.session_tokens = total
-        st.last_assessment = res.text.strip()
+        st.last_assessment = done.text
         st.last_assessment_t = self.clock()
-        st.last_result = {k: getattr(res, k) for k in (
-            "prompt_tokens", "reused_tokens", "recomputed_tokens", "new_tokens", "ttft_s",
-            "total_s", "queue_wait_s", "loaded") if hasattr(res, k)}
-        st.loaded.update(getattr(res, "loaded", None) or {})
+        st.last_result = {"prompt_tokens": res.prompt_tokens, "reused_tokens": res.reused_tokens,
+                          "recomputed_tokens": res.recomputed_tokens,
+                          "new_tokens": res.new_tokens, "ttft_s": res.ttft_s,
+                          "total_s": res.total_s, "queue_wait_s": res.queue_wait_s,
+                          "loaded": dict(res.loaded)}
+        st.loaded.update(res.loaded)
         st.reused_tokens += int(res.reused_tokens)
         st.prompt_tokens += int(res.prompt_tokens)
-        return st.last_assessment, None
 
     def retire_session(self, session: str) -> None:
         """Make the asset owning `session` roll over before its next turn (replay resumes it)."""
@@ -292,7 +289,7 @@ class Agent:
         for name, st in self.assets.items():
             lat = np.asarray(st.latencies, dtype=float)
             out[name] = {
-                "source": st.asset.source, "llm": st.asset.llm and self.executor is not None,
+                "source": st.asset.source, "llm": st.asset.llm and self.model is not None,
                 "session": st.session, "session_tokens": st.session_tokens,
                 "rollovers": st.rollovers, "ticks": st.ticks, "last_zone": st.last_zone,
                 "last_tick_age_s": None if st.last_t is None else round(now - st.last_t, 3),

@@ -16,22 +16,22 @@ priority, so it never delays ticks (the executor serves TICK requests first).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import structlog
 
 from kvagentd.agent import prompts
-from kvagentd.engine.executor import GenerationRequest, Priority
-
-if TYPE_CHECKING:
-    from kvagentd.agent.agent import Agent
+from kvagentd.agent.events import EventLog
+from kvagentd.agent.model_client import Completion
+from kvagentd.config import AssetConfig
 
 log = structlog.get_logger(__name__)
 
@@ -47,9 +47,30 @@ def _stamp(t: float) -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(t))
 
 
+GenerateFn = Callable[[str, str, "str | None"], Completion]
+
+
 class ReportWriter:
-    def __init__(self, agent: Agent, directory: Path) -> None:
-        self.agent = agent
+    """Writes reports from narrow collaborators, never the whole agent:
+
+    `events` (the event log), `assets` (name -> config), `generate(session, text, system)`
+    (REPORT-priority generation; None without a model), `clock`, `store_stats` (the KV store's
+    `stats()`, recorded around a replay; may be None), `retire_session(session)` (the replay
+    hook: the live session about to be resumed rolls over first) and `period_s` (the weekly
+    report's span).
+    """
+
+    def __init__(self, directory: Path, *, events: EventLog, assets: Mapping[str, AssetConfig],
+                 generate: GenerateFn | None, clock: Callable[[], float],
+                 store_stats: Callable[[], dict[str, Any]] | None,
+                 retire_session: Callable[[str], None], period_s: float) -> None:
+        self.events = events
+        self.assets = assets
+        self.generate = generate
+        self.clock = clock
+        self.store_stats = store_stats
+        self.retire_session = retire_session
+        self.period_s = period_s
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._threads: dict[str, threading.Thread] = {}
@@ -105,20 +126,20 @@ class ReportWriter:
 
     def start(self, kind: str, *, asset: str | None = None, event: int | None = None) -> str:
         """Validate, write the `running` stub and generate in a thread; returns the id."""
-        now = self.agent.clock()
+        now = self.clock()
         if kind == "weekly":
-            if asset not in self.agent.assets:
+            if asset not in self.assets:
                 raise ReportError(f"unknown asset {asset!r}")
             rid = f"weekly-{asset}-{_stamp(now)}"
-            target, args = self._weekly, (rid, asset, now)
+            job: Callable[[], None] = functools.partial(self._weekly, rid, asset, now)
         elif kind == "replay":
-            row = self.agent.events.get(int(event)) if event is not None else None
+            row = self.events.get(int(event)) if event is not None else None
             if row is None:
                 raise ReportError(f"unknown event {event!r}")
             if not row.get("session"):
                 raise ReportError(f"event {event} has no session (features-only tick)")
             rid = f"replay-{row['id']}-{_stamp(now)}"
-            target, args = self._replay, (rid, row, now)
+            job = functools.partial(self._replay, rid, row, now)
             asset = row["asset"]
         else:
             raise ReportError(f"unknown report kind {kind!r} (weekly or replay)")
@@ -127,7 +148,7 @@ class ReportWriter:
                 return rid
             self._write_json(rid, {"id": rid, "kind": kind, "asset": asset, "event": event,
                                    "state": "running", "created": now})
-            th = threading.Thread(target=self._guarded, args=(target, rid, args),
+            th = threading.Thread(target=self._guarded, args=(job, rid),
                                   name=f"report-{rid}", daemon=True)
             self._threads[rid] = th
         th.start()
@@ -146,9 +167,9 @@ class ReportWriter:
             th.join(timeout)
         return self.get(report_id)
 
-    def _guarded(self, target, rid: str, args: tuple) -> None:
+    def _guarded(self, job: Callable[[], None], rid: str) -> None:
         try:
-            target(*args)
+            job()
         except Exception as exc:  # noqa: BLE001 - the failure is recorded in the report
             log.warning("report.failed", report=rid, error=repr(exc))
             doc = self._read(self.dir / f"{rid}.json") or {"id": rid}
@@ -158,18 +179,18 @@ class ReportWriter:
     # ------------------------------------------------------------------ weekly
 
     def _weekly(self, rid: str, asset: str, now: float) -> None:
-        since = now - self.agent.config.report_period_s
-        rows = self.agent.events.query(asset=asset, since=since, until=now + 1e-6,
+        since = now - self.period_s
+        rows = self.events.query(asset=asset, since=since, until=now + 1e-6,
                                        limit=10_000_000, newest_first=False)
         stats = weekly_stats(rows)
         stats.update(asset=asset, period_start=since, period_end=now)
         png = self.dir / f"{rid}.png"
-        plot_trend(png, rows, self.agent.assets[asset].asset.zone_limits_mm_s,
+        plot_trend(png, rows, self.assets[asset].zone_limits_mm_s,
                    title=f"{asset}: RMS velocity and ISO 10816 zone")
         summary, gen = self._generate(f"report-{asset}-{_stamp(now)}",
                                       prompts.report_prompt(asset, stats), asset, stats)
         doc = {"id": rid, "kind": "weekly", "asset": asset, "event": None, "state": "done",
-               "created": now, "finished": self.agent.clock(), "stats": stats,
+               "created": now, "finished": self.clock(), "stats": stats,
                "summary": summary, "generation": gen, "png": png.name}
         (self.dir / f"{rid}.md").write_text(weekly_markdown(doc), encoding="utf-8")
         self._write_json(rid, doc)
@@ -177,44 +198,41 @@ class ReportWriter:
 
     def _generate(self, session: str, text: str, asset: str,
                   stats: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
-        st = self.agent.assets[asset]
-        if self.agent.executor is None or not st.asset.llm:
+        if self.generate is None or not self.assets[asset].llm:
             return deterministic_summary(asset, stats), None
         res = self._submit(session, text, prompts.SYSTEM_PROMPT)
         return res["text"], res
 
     def _submit(self, session: str, text: str, system: str | None) -> dict[str, Any]:
-        cfg = self.agent.config
-        job = self.agent.executor.submit(GenerationRequest(
-            session=session, text=text, system=system, max_new_tokens=cfg.report_max_tokens,
-            priority=Priority.REPORT))
-        res = job.result()
-        out = {k: getattr(res, k) for k in (
-            "text", "prompt_tokens", "reused_tokens", "recomputed_tokens", "new_tokens",
-            "ttft_s", "total_s", "queue_wait_s") if hasattr(res, k)}
-        out["text"] = str(out.get("text", "")).strip()
-        out["session"] = session
+        assert self.generate is not None
+        done = self.generate(session, text, system)
+        res = done.result
+        out: dict[str, Any] = {"text": done.text or "", "session": session}
+        if res is not None:
+            out.update(prompt_tokens=res.prompt_tokens, reused_tokens=res.reused_tokens,
+                       recomputed_tokens=res.recomputed_tokens, new_tokens=res.new_tokens,
+                       ttft_s=res.ttft_s, total_s=res.total_s, queue_wait_s=res.queue_wait_s)
         return out
 
     # ------------------------------------------------------------------ replay
 
     def _replay(self, rid: str, row: dict[str, Any], now: float) -> None:
-        if self.agent.executor is None:
+        if self.generate is None:
             raise ReportError("no model: anomaly replay needs the LLM")
         session = row["session"]
-        self.agent.retire_session(session)
-        before = self.agent.store_stats() if self.agent.store_stats else None
+        self.retire_session(session)
+        before = self.store_stats() if self.store_stats else None
         res = self._submit(session, prompts.replay_prompt(row), None)
-        after = self.agent.store_stats() if self.agent.store_stats else None
+        after = self.store_stats() if self.store_stats else None
         t = float(row["t"])
-        around = self.agent.events.query(asset=row["asset"], since=t - 600, until=t + 600,
+        around = self.events.query(asset=row["asset"], since=t - 600, until=t + 600,
                                          kind="tick", limit=100_000, newest_first=False)
         png = self.dir / f"{rid}.png"
-        plot_trend(png, around, self.agent.assets[row["asset"]].asset.zone_limits_mm_s
-                   if row["asset"] in self.agent.assets else (1.4, 2.8, 4.5),
+        plot_trend(png, around, self.assets[row["asset"]].zone_limits_mm_s
+                   if row["asset"] in self.assets else (1.4, 2.8, 4.5),
                    title=f"{row['asset']}: around event {row['id']}", mark=t)
         doc = {"id": rid, "kind": "replay", "asset": row["asset"], "event": row["id"],
-               "state": "done", "created": now, "finished": self.agent.clock(),
+               "state": "done", "created": now, "finished": self.clock(),
                "event_row": row, "explanation": res["text"], "generation": res,
                "store_before": before, "store_after": after, "png": png.name}
         (self.dir / f"{rid}.md").write_text(replay_markdown(doc), encoding="utf-8")

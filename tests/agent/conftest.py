@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -11,25 +10,14 @@ import pytest
 
 from kvagentd.config import AgentConfig, AssetConfig
 from kvagentd.engine.executor import GenerationRequest, QueueFull
-
-
-@dataclasses.dataclass
-class FakeResult:
-    text: str
-    new_tokens: int
-    prompt_tokens: int
-    reused_tokens: int
-    recomputed_tokens: int
-    ttft_s: float = 0.0
-    total_s: float = 0.0
-    queue_wait_s: float = 0.0
+from kvagentd.engine.runner import GenerationResult
 
 
 class FakeJob:
-    def __init__(self, res: FakeResult | BaseException) -> None:
+    def __init__(self, res: GenerationResult | BaseException) -> None:
         self._res = res
 
-    def result(self, timeout: float | None = None) -> FakeResult:
+    def result(self, timeout: float | None = None) -> GenerationResult:
         if isinstance(self._res, BaseException):
             raise self._res
         return self._res
@@ -66,7 +54,8 @@ class FakeExecutor:
             answer = "Condition normal, no action needed."
             new = len(answer.split())
             self.sessions[req.session] = prompt + new
-        return FakeJob(FakeResult(answer, new, prompt, prior, prompt - prior))
+        return FakeJob(GenerationResult(req.session, answer, new_tokens=new, prompt_tokens=prompt,
+                                        reused_tokens=prior, recomputed_tokens=prompt - prior))
 
 
 @pytest.fixture

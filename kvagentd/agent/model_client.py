@@ -1,0 +1,100 @@
+"""The model as the agent sees it: one small interface over the engine's executor.
+
+Everything the agent and its report writer ask of the model goes through `ModelClient`:
+- `submit_tick(session, text, system)`: THE place where one sensor tick's turn is submitted
+  (TICK priority, `agent.assessment_max_tokens`, a deadline of ten tick intervals) and waited
+  for. Expected failures (queue full, timeout, a failed generation) come back as a
+  `Completion` with `error` set; nothing raises into the tick job.
+- `generate(session, text, system, priority)`: a longer text at REPORT (or ASK) priority,
+  waited for without a timeout (the executor's deadline ends it); failures raise (the report
+  writer records them in the report).
+
+`Executor` and `GenerationJob` are the two members of the engine this module uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from kvagentd.config import AgentConfig
+from kvagentd.engine.executor import GenerationRequest, Priority, QueueFull
+from kvagentd.engine.runner import GenerationResult
+
+log = structlog.get_logger(__name__)
+
+
+class GenerationJob(Protocol):
+    """A submitted request (engine `Job`)."""
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """The finished result; raises TimeoutError after `timeout` s, or the job's error."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop the job at its next step (no-op once done)."""
+        ...
+
+
+class Executor(Protocol):
+    """What the agent needs of the engine's executor."""
+
+    def submit(self, request: GenerationRequest) -> GenerationJob:
+        """Queue `request`; raises QueueFull when the bounded queue is full."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """Outcome of one request: `text` (stripped) and `result`, or `error` (a short note)."""
+
+    text: str | None
+    result: GenerationResult | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class ModelClient:
+    """Submits the agent's requests to `executor`; `config` sets token limits and deadlines."""
+
+    def __init__(self, executor: Executor, config: AgentConfig) -> None:
+        self.executor = executor
+        self.config = config
+
+    def reload(self, config: AgentConfig) -> None:
+        self.config = config
+
+    def submit_tick(self, session: str, text: str, system: str | None) -> Completion:
+        """Submit one tick's turn at TICK priority and wait for it (see module docstring)."""
+        cfg = self.config
+        req = GenerationRequest(session=session, text=text, system=system,
+                                max_new_tokens=cfg.assessment_max_tokens, priority=Priority.TICK,
+                                deadline_s=max(10.0, 10.0 * cfg.tick_interval_s))
+        try:
+            job = self.executor.submit(req)
+        except QueueFull:
+            return Completion(None, error="llm: queue full")
+        try:
+            res = job.result(timeout=max(30.0, 10.0 * cfg.tick_interval_s))
+        except TimeoutError:
+            job.cancel()
+            return Completion(None, error="llm: timeout")
+        except Exception as exc:  # noqa: BLE001 - a failed generation must not end the tick job
+            log.warning("agent.llm_failed", session=session, error=repr(exc))
+            return Completion(None, error=f"llm: {type(exc).__name__}: {exc}")
+        return Completion(res.text.strip(), res)
+
+    def generate(self, session: str, text: str, system: str | None, *,
+                 priority: Priority = Priority.REPORT, max_new_tokens: int | None = None,
+                 ) -> Completion:
+        """A longer generation (reports, replays); waits for it; failures raise."""
+        job = self.executor.submit(GenerationRequest(
+            session=session, text=text, system=system,
+            max_new_tokens=max_new_tokens or self.config.report_max_tokens, priority=priority))
+        res = job.result()
+        return Completion(res.text.strip(), res)
