@@ -82,6 +82,9 @@ class ControlConfig:
     header_timeout_s: float = field(default=5.0, metadata=_rng(0.1, 300.0))
     read_timeout_s: float = field(default=10.0, metadata=_rng(0.1, 300.0))
     max_connections: int = field(default=32, metadata=_rng(1, 4096))
+    # Session ids (fnmatch globs) written only by the daemon, besides the agent's own
+    # (`<asset>-<n>`, `report-<asset>-*`): nobody may ask in them, operators may fork them.
+    daemon_sessions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

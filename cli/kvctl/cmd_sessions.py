@@ -1,7 +1,8 @@
-"""kvctl ask | sessions [show ID | drop ID]."""
+"""kvctl ask [--fork] | sessions [show ID [--transcript] | drop ID]."""
 
 from __future__ import annotations
 
+import getpass
 import json
 from typing import Annotated, Any
 
@@ -23,25 +24,47 @@ def register(app: typer.Typer) -> None:
     app.add_typer(sessions_app, name="sessions")
 
 
+def default_session() -> str:
+    """`ask-<user>`: each user's own session unless --session names another."""
+    try:
+        return f"ask-{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "ask"
+
+
 def ask(ctx: typer.Context,
         question: Annotated[str, typer.Argument(help="the question")],
-        session: Annotated[str, typer.Option("--session", "-S", help="session id")] = "operator",
+        session: Annotated[str | None, typer.Option(
+            "--session", "-S", help="session id [default: ask-<your user name>]")] = None,
+        fork: Annotated[bool, typer.Option(
+            "--fork", help="ask about SESSION in a new session of yours that starts from its "
+                           "history (the only way to ask about the agent's sessions; operators)")
+        ] = False,
+        fork_as: Annotated[str | None, typer.Option(
+            "--as", help="id of the new session with --fork [default: <user>@SESSION]")] = None,
         max_tokens: Annotated[int | None, typer.Option(
             "--max-tokens", "-n", min=1, help="answer length limit [default: the daemon's]")
         ] = None,
         socket: SocketOpt = None, json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
-    """Ask a question in a session; prints the answer as it is generated."""
+    """Ask a question in a session of yours; prints the answer as it is generated."""
     o = opts(ctx, socket, json_out, timeout if timeout is not None else ASK_TIMEOUT_S)
+    sid = session or default_session()
     body: dict[str, Any] = {"question": question}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
+    if fork_as is not None:
+        body["session"] = fork_as
+    route = f"/v1/sessions/{sid}/fork" if fork else f"/v1/sessions/{sid}/ask"
     final: dict[str, Any] | None = None
-    for item in stream(o, "POST", f"/v1/sessions/{session}/ask", body=body):
+    for item in stream(o, "POST", route, body=body):
         if not isinstance(item, dict):
             continue
         if "error" in item:
             err = item["error"]
             fail(o, EX_FAILURE, str(err.get("kind", "error")), str(err.get("message", err)))
+        if "forked_from" in item and not o.json:
+            typer.echo(f"[asking in {item['session']}, forked from {item['forked_from']}]",
+                       err=True)
         if "text" in item and not o.json:
             typer.echo(item["text"], nl=False)
         if item.get("done"):
@@ -71,10 +94,16 @@ def sessions_list(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOp
 
 def sessions_show(ctx: typer.Context,
                   session: Annotated[str, typer.Argument(help="session id")],
+                  transcript: Annotated[bool, typer.Option(
+                      "--transcript", help="the whole conversation")] = False,
                   socket: SocketOpt = None, json_out: JsonOpt = False,
                   timeout: TimeoutOpt = None) -> None:
-    """One session, with the end of its conversation."""
+    """One session (owner, tokens, blocks), with the end of its conversation."""
     o = opts(ctx, socket, json_out, timeout)
+    if transcript:
+        render.emit(o, call(o, "GET", f"/v1/sessions/{session}/transcript"),
+                    lambda d: str(d.get("text", "")))
+        return
     render.emit(o, call(o, "GET", f"/v1/sessions/{session}"))
 
 
@@ -94,7 +123,8 @@ def render_sessions(data: dict[str, Any]) -> str:
         t = s.get("blocks_by_tier", {})
         rows.append({**s, "hot": t.get("hot", 0), "warm": t.get("warm", 0),
                      "cold": t.get("cold", 0), "missing": t.get("missing", 0)})
-    return render.table(rows, [("id", "session"), ("tokens", "tokens"), ("turns", "turns"),
+    return render.table(rows, [("id", "session"), ("owner", "owner"), ("tokens", "tokens"),
+                               ("turns", "turns"),
                                ("hot", "hot"), ("warm", "warm"), ("cold", "cold"),
                                ("missing", "missing"), ("last_used", "last use")],
                         {"last_used": _ago})

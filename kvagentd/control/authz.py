@@ -1,18 +1,33 @@
-"""Who may call which route, from the peer's kernel credentials (SO_PEERCRED).
+"""Who may call which route, and who may write which session, from the peer's kernel
+credentials (SO_PEERCRED).
 
-Reads: root, the daemon's uid, members of `control.socket_group` (the daemon's primary group
-when that is ""), and operators. Changes: root, the daemon's uid and members of
-`control.operator_group` (nobody else when that is "").
+Routes (`AccessPolicy`): reads for root, the daemon's uid, members of `control.socket_group`
+(the daemon's primary group when that is "") and operators; changes for root, the daemon's uid
+and members of `control.operator_group` (nobody else when that is "").
+
+Sessions (`SessionRules`), on top of the route check:
+- *daemon sessions* (created by the daemon itself: the agent's `<asset>-<n>`, reports'
+  `report-<asset>-*`, and ids matching `control.daemon_sessions`) are written by the daemon only.
+  Nobody asks in them, not even root; an operator asks *about* one by forking it (a change
+  route): a new session owned by the operator starts from its token ids, so its stored blocks
+  are reused and the live session is never written. Their ids are reserved before they exist,
+  so nobody can plant a future agent session.
+- any other session belongs to the uid that created it. Its owner may ask in it, read its text
+  and drop it; operators may do so in anyone's session; other readers may not.
+- every reader sees the list of sessions (with owners) and the text of daemon sessions.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import grp
 import os
 import pwd
+import re
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -54,7 +69,8 @@ def _gid_of(name: str) -> int | None:
         return None
 
 
-def _name_of_uid(uid: int) -> str:
+def name_of_uid(uid: int) -> str:
+    """The user name of `uid`, or the number as text."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -105,9 +121,64 @@ class AccessPolicy:
         groups = [self.operator_group] if self.operator_gid is not None else []
         if not change and self.read_gid is not None and self.read_group not in groups:
             groups.append(self.read_group)
-        who = f"root, user {_name_of_uid(self.daemon_uid)}"
+        who = f"root, user {name_of_uid(self.daemon_uid)}"
         if groups:
             who += " and members of group " + " or ".join(repr(g) for g in groups)
         what = "changes daemon state" if change else "reads daemon state"
         raise Forbidden(f"{method} {path} {what}; allowed: {who}; "
                         f"you are uid {peer.uid} gid {peer.gid}")
+
+
+class SessionRules:
+    """Which sessions are the daemon's, and who may ask in, read or drop a session.
+
+    `owner` below is a stored session's owner uid (None: created by the daemon itself);
+    `operator` says whether the peer passes the change-route check.
+    """
+
+    def __init__(self, assets: tuple[str, ...], globs: tuple[str, ...] = ()) -> None:
+        # NOTE: the agent's names (agent.py `<asset>-<n>`, reports.py `report-<asset>-<stamp>`);
+        # tests/control/test_session_authz.py checks every id the agent submits matches one.
+        names = "|".join(re.escape(a) for a in assets)
+        self._agent = re.compile(rf"(?:{names})-\d+|report-(?:{names})-.*") if assets else None
+        self.globs = tuple(globs)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> SessionRules:
+        return cls(tuple(a.name for a in cfg.agent.assets), tuple(cfg.control.daemon_sessions))
+
+    def reserved(self, session_id: str) -> bool:
+        """True for ids only the daemon may create (whether or not they exist yet)."""
+        if self._agent is not None and self._agent.fullmatch(session_id):
+            return True
+        return any(fnmatch.fnmatchcase(session_id, g) for g in self.globs)
+
+    def is_daemon_session(self, session_id: str, exists: bool, owner: int | None) -> bool:
+        return self.reserved(session_id) or (exists and owner is None)
+
+    def check_ask(self, peer: Peer, operator: bool, session_id: str, exists: bool,
+                  owner: int | None) -> None:
+        """Raise Forbidden unless `peer` may append a turn to `session_id`."""
+        if self.is_daemon_session(session_id, exists, owner):
+            how = ("fork it: kvctl ask --fork --session ID (POST /v1/sessions/ID/fork)"
+                   if operator else "operators may fork it (POST /v1/sessions/ID/fork)")
+            raise Forbidden(f"session {session_id!r} is written only by the daemon; to ask "
+                            f"about it, {how.replace('ID', session_id)}", kind="daemon_session")
+        if exists and owner != peer.uid and not operator:
+            raise Forbidden(f"session {session_id!r} belongs to {name_of_uid(owner or 0)}; "
+                            f"you (uid {peer.uid}) may ask only in sessions you created",
+                            kind="not_owner")
+
+    def may_read_text(self, peer: Peer, operator: bool, session_id: str,
+                      owner: int | None) -> bool:
+        """Whether `peer` may read the conversation of an existing session."""
+        return operator or owner == peer.uid or self.is_daemon_session(session_id, True, owner)
+
+    def check_drop(self, peer: Peer, operator: bool, session_id: str, owner: int | None) -> None:
+        """Raise Forbidden unless `peer` may drop an existing session."""
+        if operator or (owner == peer.uid and not self.reserved(session_id)):
+            return
+        whose = ("the daemon's" if self.is_daemon_session(session_id, True, owner)
+                 else f"owned by {name_of_uid(owner or 0)}")
+        raise Forbidden(f"session {session_id!r} is {whose}; only its owner and operators may "
+                        f"drop it", kind="not_owner")

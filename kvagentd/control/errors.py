@@ -61,6 +61,12 @@ class Busy(ApiError):
     status, kind = 409, "busy"
 
 
+class Conflict(ApiError):
+    """The request contradicts what exists (for example a session id already taken)."""
+
+    status, kind = 409, "conflict"
+
+
 class LengthRequired(ApiError):
     status, kind = 411, "length_required"
 

@@ -54,6 +54,7 @@ class Request:
     body: bytes
     peer: Peer
     route: str = ""  # the matched pattern, e.g. "/v1/blocks/{key}"
+    operator: bool = False  # the peer may call change routes (root, daemon uid, operator group)
 
     def json(self) -> Any:
         """The body parsed as JSON; an empty body is `{}`. Raises BadRequest on invalid JSON."""

@@ -211,7 +211,8 @@ class ControlHandler(BaseHTTPRequestHandler):
         body = self._read_body()
         headers = {k.lower(): v for k, v in self.headers.items()}
         req = Request(method=self.command, path=path, params=params, query=query,
-                      headers=headers, body=body, peer=self.peer, route=route.pattern)
+                      headers=headers, body=body, peer=self.peer, route=route.pattern,
+                      operator=self.ctl.policy.may_change(self.peer))
         return req, route
 
     def _has_body(self) -> bool:

@@ -68,6 +68,27 @@ class SessionView:
     def exists(self, session_id: str) -> bool:
         return self.table.get(session_id) is not None
 
+    def record(self, session_id: str) -> Session | None:
+        """The stored session (token ids, owner ...), or None."""
+        return self.table.get(session_id)
+
+    def create(self, session_id: str, owner: int, *, token_ids: list[int] | None = None,
+               turns: int = 0) -> bool:
+        """Create a session owned by uid `owner` (with `token_ids` for a fork; its blocks are
+        found again by prefix match, never copied). False when the id exists."""
+        return self.table.create(Session(session_id, list(token_ids or []), turns=turns,
+                                         owner=owner))
+
+    def discard_empty(self, session_id: str) -> bool:
+        """Forget the session if no turn of it ever ran (a failed or cancelled first ask)."""
+        return self.table.discard_empty(session_id)
+
+    def text(self, session_id: str) -> str | None:
+        """The whole conversation as text (special tokens kept), or None."""
+        s = self.table.get(session_id)
+        return None if s is None else self.tokenizer.decode(s.token_ids,
+                                                            skip_special_tokens=False)
+
     def drop(self, session_id: str) -> bool:
         """Forget the session and its references to blocks; False if unknown."""
         if self.executor.session_busy(session_id):

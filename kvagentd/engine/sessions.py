@@ -26,9 +26,11 @@ CREATE TABLE IF NOT EXISTS sessions (
     block_keys  BLOB NOT NULL,
     created     REAL NOT NULL,
     last_used   REAL NOT NULL,
-    turns       INTEGER NOT NULL
+    turns       INTEGER NOT NULL,
+    owner       INTEGER
 )
 """
+_COLUMNS = "id, token_ids, block_keys, created, last_used, turns, owner"
 
 
 def valid_session_id(session_id: str) -> bool:
@@ -43,10 +45,12 @@ class Session:
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     turns: int = 0
+    owner: int | None = None  # uid of the API caller that created it; None: the daemon itself
 
     def summary(self) -> dict[str, Any]:
         return {"id": self.id, "tokens": len(self.token_ids), "blocks": len(self.block_keys),
-                "turns": self.turns, "created": self.created, "last_used": self.last_used}
+                "turns": self.turns, "created": self.created, "last_used": self.last_used,
+                "owner_uid": self.owner}
 
 
 def _pack_ids(ids: Sequence[int]) -> bytes:
@@ -63,7 +67,11 @@ def _unpack_ids(blob: bytes) -> list[int]:
 
 
 class SessionStore:
-    """SQLite table of sessions in `state_dir/sessions.sqlite3`. Thread-safe."""
+    """SQLite table of sessions in `state_dir/sessions.sqlite3`. Thread-safe.
+
+    A session's owner is written once, when its row is created (`create`, or the first `save`);
+    later saves never change it.
+    """
 
     def __init__(self, state_dir: Path) -> None:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
@@ -73,39 +81,52 @@ class SessionStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute(_SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(sessions)")}
+        if "owner" not in columns:  # a table written before sessions had owners
+            self._db.execute("ALTER TABLE sessions ADD COLUMN owner INTEGER")
 
     def get(self, session_id: str) -> Session | None:
         with self._lock:
-            row = self._db.execute(
-                "SELECT id, token_ids, block_keys, created, last_used, turns FROM sessions "
-                "WHERE id = ?", (session_id,)).fetchone()
+            row = self._db.execute(f"SELECT {_COLUMNS} FROM sessions WHERE id = ?",
+                                   (session_id,)).fetchone()
         return self._row(row) if row else None
 
+    def create(self, s: Session) -> bool:
+        """Insert `s` unless a session with its id exists; True when this call created it."""
+        with self._lock:
+            cur = self._db.execute(
+                f"INSERT INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT(id) DO NOTHING", self._values(s))
+            return cur.rowcount == 1
+
     def save(self, s: Session) -> None:
-        keys = b"".join(s.block_keys)
         with self._lock:
             self._db.execute(
-                "INSERT INTO sessions (id, token_ids, block_keys, created, last_used, turns) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+                f"INSERT INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET "
                 "token_ids = excluded.token_ids, block_keys = excluded.block_keys, "
-                "last_used = excluded.last_used, turns = excluded.turns",
-                (s.id, _pack_ids(s.token_ids), keys, s.created, s.last_used, s.turns))
+                "last_used = excluded.last_used, turns = excluded.turns", self._values(s))
 
     def list(self) -> list[Session]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, token_ids, block_keys, created, last_used, turns FROM sessions "
-                "ORDER BY last_used DESC").fetchall()
+                f"SELECT {_COLUMNS} FROM sessions ORDER BY last_used DESC").fetchall()
         return [self._row(r) for r in rows]
 
     def drop(self, session_id: str) -> Session | None:
         with self._lock:
-            row = self._db.execute(
-                "SELECT id, token_ids, block_keys, created, last_used, turns FROM sessions "
-                "WHERE id = ?", (session_id,)).fetchone()
+            row = self._db.execute(f"SELECT {_COLUMNS} FROM sessions WHERE id = ?",
+                                   (session_id,)).fetchone()
             if row:
                 self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
         return self._row(row) if row else None
+
+    def discard_empty(self, session_id: str) -> bool:
+        """Delete the session if it holds no tokens (a first turn that never ran)."""
+        with self._lock:
+            cur = self._db.execute("DELETE FROM sessions WHERE id = ? AND length(token_ids) = 0",
+                                   (session_id,))
+            return cur.rowcount == 1
 
     def count(self) -> int:
         with self._lock:
@@ -116,11 +137,16 @@ class SessionStore:
             self._db.close()
 
     @staticmethod
+    def _values(s: Session) -> tuple[Any, ...]:
+        return (s.id, _pack_ids(s.token_ids), b"".join(s.block_keys), s.created, s.last_used,
+                s.turns, s.owner)
+
+    @staticmethod
     def _row(row: tuple) -> Session:
-        sid, ids, keys, created, last_used, turns = row
+        sid, ids, keys, created, last_used, turns, owner = row
         return Session(sid, _unpack_ids(ids),
                        [bytes(keys[i:i + KEY_BYTES]) for i in range(0, len(keys), KEY_BYTES)],
-                       created, last_used, turns)
+                       created, last_used, turns, owner)
 
 
 class ChatFormat:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import shutil
 import socket
 import tempfile
@@ -114,6 +116,64 @@ def read_all(s: socket.socket) -> bytes:
         if not chunk:
             return out
         out += chunk
+
+
+NOBODY = 65534
+
+
+def two_groups() -> tuple[Any, Any]:
+    """Two distinct non-root groups of /etc/group (a reader and an operator group)."""
+    import grp
+
+    groups = [g for g in grp.getgrall() if g.gr_gid not in (0, NOBODY)]
+    if len(groups) < 2:
+        pytest.fail("the authorization tests need two non-root groups in /etc/group")
+    return groups[0], groups[1]
+
+
+def request_as(path: Path, method: str, target: str, *, uid: int, gid: int, groups: list[int],
+               body: Any = None) -> tuple[int, Any]:
+    """Fork; the child drops to uid/gid/groups, connects, sends one request (a JSON body when
+    given) and reads the whole reply. Returns (status, parsed JSON body), or (-1, None) when
+    connect() was refused by the file system (EACCES)."""
+    data = b"" if body is None else json.dumps(body).encode()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(60)
+            try:
+                s.connect(str(path))
+            except PermissionError:
+                os.write(w, b"EACCES")
+                os._exit(0)
+            s.sendall(f"{method} {target} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
+                      "Connection: close\r\n\r\n".encode() + data)
+            reply = read_all(s)
+            while reply:
+                reply = reply[os.write(w, reply):]
+        except BaseException:  # report through the exit status; never return into pytest
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 65536):
+        chunks.append(chunk)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    raw = b"".join(chunks)
+    if raw == b"EACCES":
+        return -1, None
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(payload) if payload.strip() else None
 
 
 def add_test_routes(router: Router, h: Harness) -> None:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import grp
-import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,64 +11,16 @@ import pytest
 from kvagentd.control.authz import AccessPolicy
 from kvagentd.control.errors import Forbidden
 from kvagentd.control.router import Peer
-from tests.control.conftest import make_config, read_all, start_harness
-
-NOBODY = 65534
+from tests.control.conftest import (NOBODY, make_config, request_as, start_harness,
+                                    two_groups)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
-
-
-def _two_groups() -> tuple[grp.struct_group, grp.struct_group]:
-    groups = [g for g in grp.getgrall() if g.gr_gid not in (0, NOBODY)]
-    if len(groups) < 2:
-        pytest.skip("needs two non-root groups in /etc/group")
-    return groups[0], groups[1]
-
-
-def _request_as(path: Path, method: str, target: str, *, uid: int, gid: int,
-                groups: list[int]) -> tuple[int, dict]:
-    """Fork; the child drops privileges, connects, sends one request; returns status, body."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 0
-        try:
-            os.close(r)
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(10)
-            try:
-                s.connect(str(path))
-            except PermissionError:
-                os.write(w, b"EACCES")
-                os._exit(0)
-            s.sendall(f"{method} {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
-                      "Connection: close\r\n\r\n".encode())
-            os.write(w, read_all(s))
-        except BaseException:  # report through the exit status; never return into pytest
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    chunks = []
-    while chunk := os.read(r, 65536):
-        chunks.append(chunk)
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    raw = b"".join(chunks)
-    if raw == b"EACCES":
-        return -1, {}
-    head, _, body = raw.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), json.loads(body)
 
 
 @pytest.fixture
 def open_harness(short_dir: Path):
     """Socket and directory world-accessible, so that only the route authorization decides."""
-    reader, operator = _two_groups()
+    reader, operator = two_groups()
     cfg = make_config(short_dir, socket_mode=0o666, socket_group=reader.gr_name,
                       operator_group=operator.gr_name)
     (short_dir / "run").mkdir(mode=0o755)
@@ -82,12 +32,12 @@ def open_harness(short_dir: Path):
 
 def test_stranger_gets_403_naming_who_may(open_harness) -> None:
     h, reader, operator = open_harness
-    status, body = _request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY, groups=[])
+    status, body = request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY, groups=[])
     assert status == 403 and body["error"]["kind"] == "forbidden"
     msg = body["error"]["message"]
     assert "uid 65534" in msg and "root" in msg
     assert grp.getgrgid(reader).gr_name in msg
-    status, body = _request_as(h.path, "POST", "/v1/shutdown", uid=NOBODY, gid=NOBODY, groups=[])
+    status, body = request_as(h.path, "POST", "/v1/shutdown", uid=NOBODY, gid=NOBODY, groups=[])
     assert status == 403
     assert grp.getgrgid(operator).gr_name in body["error"]["message"]
     assert h.daemon.shutdown_requests == []
@@ -96,27 +46,27 @@ def test_stranger_gets_403_naming_who_may(open_harness) -> None:
 
 def test_socket_group_member_may_read_but_not_change(open_harness) -> None:
     h, reader, operator = open_harness
-    status, body = _request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY,
+    status, body = request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY,
                                groups=[reader])
     assert status == 200 and body["version"] == "test"
-    status, body = _request_as(h.path, "POST", "/test/change", uid=NOBODY, gid=NOBODY,
+    status, body = request_as(h.path, "POST", "/test/change", uid=NOBODY, gid=NOBODY,
                                groups=[reader])
     assert status == 403 and "changes daemon state" in body["error"]["message"]
 
 
 def test_primary_gid_counts_as_membership(open_harness) -> None:
     h, reader, _ = open_harness
-    status, _ = _request_as(h.path, "GET", "/v1/livez", uid=NOBODY, gid=reader, groups=[])
+    status, _ = request_as(h.path, "GET", "/v1/livez", uid=NOBODY, gid=reader, groups=[])
     assert status == 200
 
 
 def test_operator_may_change_and_read(open_harness) -> None:
     h, _, operator = open_harness
-    status, body = _request_as(h.path, "POST", "/v1/shutdown", uid=NOBODY, gid=NOBODY,
+    status, body = request_as(h.path, "POST", "/v1/shutdown", uid=NOBODY, gid=NOBODY,
                                groups=[operator])
     assert status == 200 and body == {"stopping": True}
     assert h.daemon.shutdown_requests and "uid 65534" in h.daemon.shutdown_requests[0]
-    status, _ = _request_as(h.path, "GET", "/v1/config", uid=NOBODY, gid=NOBODY,
+    status, _ = request_as(h.path, "GET", "/v1/config", uid=NOBODY, gid=NOBODY,
                             groups=[operator])
     assert status == 200
 
@@ -125,7 +75,7 @@ def test_default_permissions_keep_strangers_off_the_socket(short_dir: Path) -> N
     os.chmod(short_dir, 0o755)
     h = start_harness(make_config(short_dir))  # socket 0660, directory 0750, root-owned
     try:
-        status, _ = _request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY, groups=[])
+        status, _ = request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY, groups=[])
         assert status == -1  # EACCES at connect(): the file system already says no
     finally:
         h.server.stop(1.0)

@@ -90,6 +90,8 @@ def test_bad_requests_and_busy(srv: Server) -> None:
         assert c.get("/v1/sessions/bad%20id").status_code == 400
 
     class Full:
+        sessions = srv.daemon.engine.sessions
+
         def submit(self, req: Any) -> Any:
             raise QueueFull("32 requests queued")
 
@@ -123,6 +125,8 @@ def test_kvctl_ask_and_sessions(srv: Server, capsys: pytest.CaptureFixture[str])
     assert main(["--socket", sock, "sessions", "drop", "op-2"]) == 1
 
     class Full:
+        sessions = srv.daemon.engine.sessions
+
         def submit(self, req: Any) -> Any:
             raise QueueFull("queue full")
 
