@@ -14,6 +14,7 @@ Wiring (the store is built from the model's geometry and namespace, before the e
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +73,11 @@ class SessionView:
         """The stored session (token ids, owner ...), or None."""
         return self.table.get(session_id)
 
-    def create(self, session_id: str, owner: int, *, token_ids: list[int] | None = None,
+    def create(self, session_id: str, owner: int, *, token_ids: Sequence[int] = (),
                turns: int = 0) -> bool:
         """Create a session owned by uid `owner` (with `token_ids` for a fork; its blocks are
         found again by prefix match, never copied). False when the id exists."""
-        return self.table.create(Session(session_id, list(token_ids or []), turns=turns,
-                                         owner=owner))
+        return self.table.create(Session(session_id, list(token_ids), turns=turns, owner=owner))
 
     def discard_empty(self, session_id: str) -> bool:
         """Forget the session if no turn of it ever ran (a failed or cancelled first ask)."""
@@ -86,8 +86,9 @@ class SessionView:
     def text(self, session_id: str) -> str | None:
         """The whole conversation as text (special tokens kept), or None."""
         s = self.table.get(session_id)
-        return None if s is None else self.tokenizer.decode(s.token_ids,
-                                                            skip_special_tokens=False)
+        if s is None:
+            return None
+        return str(self.tokenizer.decode(s.token_ids, skip_special_tokens=False))
 
     def drop(self, session_id: str) -> bool:
         """Forget the session and its references to blocks; False if unknown."""

@@ -142,7 +142,7 @@ class SessionStore:
                 s.turns, s.owner)
 
     @staticmethod
-    def _row(row: tuple) -> Session:
+    def _row(row: tuple[Any, ...]) -> Session:
         sid, ids, keys, created, last_used, turns, owner = row
         return Session(sid, _unpack_ids(ids),
                        [bytes(keys[i:i + KEY_BYTES]) for i in range(0, len(keys), KEY_BYTES)],
