@@ -1,9 +1,7 @@
-"""kvctl trace dump FILE | trace stats."""
+"""kvctl trace dump [NAME] | trace stats."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -29,12 +27,20 @@ def render_stats(d: dict[str, Any]) -> str:
 
 @trace_app.command("dump")
 def dump(ctx: typer.Context,
-         file: Annotated[Path, typer.Argument(help="where the daemon writes the trace "
-                                                   "(.npz: numpy archive, else JSON lines)")],
+         name: Annotated[str | None, typer.Argument(
+             help="file name in the daemon's dump directory (<state_dir>/dumps), ending in "
+                  ".jsonl or .npz [default: the daemon picks trace-<time>-<n>]")] = None,
+         fmt: Annotated[str | None, typer.Option(
+             "--format", help="jsonl (JSON lines) or npz (numpy archive)")] = None,
          socket: SocketOpt = None, json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
-    """Write the daemon's recent block accesses to FILE (written by the daemon's user)."""
+    """Write the daemon's recent block accesses to a file in its dump directory."""
     o = opts(ctx, socket, json_out, timeout)
-    data = call(o, "POST", "/v1/trace/dump", body={"path": os.path.abspath(file)})
+    body: dict[str, Any] = {}
+    if name is not None:
+        body["name"] = name
+    if fmt is not None:
+        body["format"] = fmt
+    data = call(o, "POST", "/v1/trace/dump", body=body)
     render.emit(o, data, lambda d: f"wrote {d['events']} events to {d['path']}")
 
 

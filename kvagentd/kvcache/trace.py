@@ -11,9 +11,10 @@ import json
 import os
 import threading
 from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -97,28 +98,39 @@ def iter_jsonl(events: Iterable[AccessEvent]) -> Iterator[str]:
 
 
 def write_trace(path: str | os.PathLike[str], events: Sequence[AccessEvent]) -> int:
+    """Write `events` to `path` (.npz -> numpy archive, else JSON lines) through `<path>.tmp`.
+
+    For files the caller names itself (benchmarks, the simulator); the daemon writes dumps
+    through `kvagentd.control.dumps`, which opens its files safely and calls `write_trace_to`.
+    """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
-    if p.suffix == ".npz":
+    with open(tmp, "wb") as f:
+        write_trace_to(f, events, npz=p.suffix == ".npz")
+    os.replace(tmp, p)
+    return len(events)
+
+
+def write_trace_to(f: BinaryIO, events: Sequence[AccessEvent], *, npz: bool) -> int:
+    """Write `events` to the open binary file `f` (numpy archive or JSON lines)."""
+    if npz:
         sessions = sorted({e.session for e in events})
         sidx = {s: i for i, s in enumerate(sessions)}
         keylen = max((len(e.key) for e in events), default=16)
         keys = np.zeros((len(events), keylen), dtype=np.uint8)
         for i, e in enumerate(events):
             keys[i, : len(e.key)] = np.frombuffer(e.key, dtype=np.uint8)
-        with open(tmp, "wb") as f:
-            np.savez_compressed(
-                f, version=np.array(TRACE_VERSION),
-                tick=np.array([e.tick for e in events], dtype=np.int64),
-                time=np.array([e.time for e in events], dtype=np.float64),
-                session=np.array([sidx[e.session] for e in events], dtype=np.int32),
-                sessions=np.array(sessions, dtype=np.str_),
-                keys=keys, tier=np.array([_TIER_CODE[e.tier] for e in events], dtype=np.int8))
+        np.savez_compressed(
+            f, version=np.array(TRACE_VERSION),
+            tick=np.array([e.tick for e in events], dtype=np.int64),
+            time=np.array([e.time for e in events], dtype=np.float64),
+            session=np.array([sidx[e.session] for e in events], dtype=np.int32),
+            sessions=np.array(sessions, dtype=np.str_),
+            keys=keys, tier=np.array([_TIER_CODE[e.tier] for e in events], dtype=np.int8))
     else:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(iter_jsonl(events))
-    os.replace(tmp, p)
+        for line in iter_jsonl(events):
+            f.write(line.encode("utf-8"))
     return len(events)
 
 

@@ -75,17 +75,18 @@ def test_control_routes_dump_stream_and_status(tmp_path):
     svc = PlacementService(store, PlacementConfig(), KVConfig(), clock=clock,
                            capacities=Capacities(4, 4), persist_summary=False)
     store.access("a", [k(1), k(2)])
-    daemon = types.SimpleNamespace(placement=svc)
+    config = types.SimpleNamespace(daemon=types.SimpleNamespace(state_dir=tmp_path))
+    daemon = types.SimpleNamespace(placement=svc, config=config)
     router = Router()
     handler.register(router, daemon)
     route, st = _call(router, "GET", "/v1/placement")
     assert not route.change and st["policy"] == "heat+prefetch" and st["heat"]["blocks"] == 2
-    route, out = _call(router, "POST", "/v1/trace/dump",
-                       json.dumps({"path": str(tmp_path / "t.jsonl")}).encode())
-    assert route.change and out["events"] == 2
-    assert [e.key for e in load_trace(tmp_path / "t.jsonl")] == [k(1), k(2)]
-    with pytest.raises(BadRequest):
-        _call(router, "POST", "/v1/trace/dump", b'{"path": "relative.jsonl"}')
+    route, out = _call(router, "POST", "/v1/trace/dump", b'{"name": "t.jsonl"}')
+    assert route.change and out["events"] == 2 and out["path"] == str(tmp_path / "dumps/t.jsonl")
+    assert [e.key for e in load_trace(tmp_path / "dumps/t.jsonl")] == [k(1), k(2)]
+    with pytest.raises(BadRequest):  # the daemon chooses where it writes
+        _call(router, "POST", "/v1/trace/dump",
+              json.dumps({"path": str(tmp_path / "x.jsonl")}).encode())
     _, summary = _call(router, "GET", "/v1/trace")
     assert summary["events"] == 2 and summary["sessions"] == 1
     _, resp = _call(router, "GET", "/v1/trace", query={"format": "ndjson"})
@@ -93,7 +94,7 @@ def test_control_routes_dump_stream_and_status(tmp_path):
     lines = "".join(resp.body).splitlines()
     assert json.loads(lines[0]) == {"kvagentd_trace": 1} and len(lines) == 3
     router2 = Router()
-    handler.register(router2, types.SimpleNamespace(placement=None))
+    handler.register(router2, types.SimpleNamespace(placement=None, config=config))
     with pytest.raises(NotReady):
         _call(router2, "GET", "/v1/placement")
 

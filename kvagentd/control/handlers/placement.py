@@ -5,12 +5,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from kvagentd.control.errors import BadRequest, require_service
-from kvagentd.control.router import Request, Response, Router, NDJSON_TYPE
-from kvagentd.kvcache.trace import iter_jsonl
+from kvagentd.control.dumps import DumpDir, DumpDirUnsafe, DumpExists, DumpNameError
+from kvagentd.control.errors import BadRequest, Conflict, Internal, require_service
+from kvagentd.control.router import NDJSON_TYPE, Request, Response, Router
+from kvagentd.kvcache.trace import iter_jsonl, write_trace_to
+
+TRACE_FORMATS = ("jsonl", "npz")
 
 
 def register(router: Router, daemon: Any) -> None:
@@ -23,21 +27,42 @@ def register(router: Router, daemon: Any) -> None:
         """Policy, last round (moves, decision time) and heat statistics."""
         return placement().status()
 
+    dumps = DumpDir(Path(daemon.config.daemon.state_dir) / "dumps")
+
     @router.route("POST", "/v1/trace/dump", change=True)
     def dump_trace(req: Request) -> dict[str, Any]:
-        """Write the trace ring to {"path": ABSOLUTE} (.npz: numpy archive, else JSON lines)."""
+        """Write the trace ring to `<state_dir>/dumps/` as {"name"?: plain name, "format"?:
+        "jsonl" | "npz"}; the daemon picks the name when none is given (see control.dumps)."""
         body = req.json_object()
-        path = body.get("path")
-        if not isinstance(path, str) or not path:
-            raise BadRequest("'path' must be a non-empty string")
-        p = Path(path)
-        if not p.is_absolute():
-            raise BadRequest("'path' must be absolute (it is written by the daemon)")
+        if "path" in body:
+            raise BadRequest(f"the daemon writes dumps only under {dumps.path}; give 'name' "
+                             "(a plain file name) or nothing")
+        name, fmt = body.get("name"), body.get("format")
+        if fmt is not None and fmt not in TRACE_FORMATS:
+            raise BadRequest(f"'format' must be one of {', '.join(TRACE_FORMATS)}, got {fmt!r}")
+        if name is None:
+            name = dumps.new_name("trace", "." + (fmt or "jsonl"))
+        elif not isinstance(name, str):
+            raise BadRequest("'name' must be a string")
+        else:
+            try:
+                dumps.check_name(name, tuple("." + f for f in TRACE_FORMATS))
+            except DumpNameError as exc:
+                raise BadRequest(str(exc)) from None
+            if fmt is not None and not name.endswith("." + fmt):
+                raise BadRequest(f"'name' {name!r} does not end in .{fmt}")
+        events = placement().trace.events()
         try:
-            n = placement().trace.dump(p)
+            path = dumps.write(name, lambda f: write_trace_to(f, events,
+                                                              npz=name.endswith(".npz")))
+        except DumpExists as exc:
+            raise Conflict(str(exc)) from None
+        except DumpDirUnsafe as exc:
+            raise Internal(str(exc), kind="dump_dir_unsafe") from None
         except OSError as exc:
-            raise BadRequest(f"cannot write {p}: {exc.strerror or exc}") from None
-        return {"path": str(p), "events": n}
+            raise Internal(f"cannot write {dumps.path / name}: {exc.strerror or exc}",
+                           kind="dump_failed") from None
+        return {"path": str(path), "name": name, "events": len(events)}
 
     @router.route("GET", "/v1/trace", change=False)
     def get_trace(req: Request) -> Any:
