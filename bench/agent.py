@@ -49,16 +49,17 @@ class NoReuseStore:
 
 def build_store(loaded: Any, directory: Path, args: argparse.Namespace):
     from kvagentd.engine.model import model_geometry
-    from kvagentd.kvcache.coldstore import ColdStore
+    from kvagentd.kvcache.cold.store import ColdStore
     from kvagentd.kvcache.keys import make_namespace
     from kvagentd.kvcache.store import TieredKVStore
 
     geometry = model_geometry(loaded.model, args.block_tokens, loaded.dtype)
     ns = make_namespace(loaded.fingerprint, loaded.dtype, args.block_tokens)
-    cold = ColdStore(directory / "cold", geometry, ns, capacity_bytes=8 << 30,
-                     segment_bytes=64 << 20, o_direct=args.o_direct)
     hot = args.hot_mib << 20
-    return TieredKVStore(geometry, ns, hot_bytes=hot, warm_bytes=int(hot * 0.35), cold=cold)
+    return TieredKVStore(geometry, ns, hot_bytes=hot, warm_bytes=int(hot * 0.35),
+                         cold=lambda listener: ColdStore(
+                             directory / "cold", geometry, ns, capacity_bytes=8 << 30,
+                             segment_bytes=64 << 20, o_direct=args.o_direct, listener=listener))
 
 
 def run_case(name: str, loaded: Any, args: argparse.Namespace, *, reports: bool,

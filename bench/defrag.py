@@ -75,7 +75,7 @@ def main() -> int:
     before_digests = digests(store, sessions)
     before = m.measure(Tier.HOT)
     t0 = time.perf_counter()
-    plan = m.plan(Tier.HOT)
+    m.plan(Tier.HOT)
     plan_s = time.perf_counter() - t0
     res = m.defrag("hot")["results"][0]
     after = m.measure(Tier.HOT)

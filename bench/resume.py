@@ -35,7 +35,8 @@ from kvagentd.engine.model import LoadedModel, load_model, model_geometry
 from kvagentd.engine.runner import Runner
 from kvagentd.engine.sessions import Session, SessionStore
 from kvagentd.kvcache.base import Tier
-from kvagentd.kvcache.coldstore import ColdStore
+from kvagentd.kvcache.base import ColdListener
+from kvagentd.kvcache.cold.store import ColdStore
 from kvagentd.kvcache.keys import make_namespace
 from kvagentd.kvcache.store import TieredKVStore
 
@@ -69,8 +70,11 @@ def build_store(lm: LoadedModel, root: Path, tokens: int) -> TieredKVStore:
     geo = model_geometry(lm.model, BLOCK_TOKENS, lm.dtype)
     ns = make_namespace(lm.fingerprint, lm.dtype, BLOCK_TOKENS)
     blocks = 2 * (tokens // BLOCK_TOKENS) + 64
-    cold = ColdStore(root / "cold", geo, ns, codec="raw", capacity_bytes=4 * blocks * geo.block_bytes,
-                     segment_bytes=256 << 20, io_unit_bytes=128 << 10, o_direct=True)
+    def cold(listener: ColdListener) -> ColdStore:
+        return ColdStore(root / "cold", geo, ns, codec="raw",
+                         capacity_bytes=4 * blocks * geo.block_bytes, segment_bytes=256 << 20,
+                         io_unit_bytes=128 << 10, o_direct=True, listener=listener)
+
     return TieredKVStore(geo, ns, hot_bytes=blocks * geo.block_bytes,
                          warm_bytes=blocks * geo.block_bytes, cold=cold)
 

@@ -2,7 +2,7 @@
 
 What runs, on a simulated clock (no sleeping):
 - the store (`TieredKVStore`: hot / warm arenas) over the shadow-failover cold tier
-  (`build_cold_tier`, SSD side wrapped in a `FaultyFileIO`);
+  (`build_tiers`, the SSD side wrapped in a `FaultyFileIO`);
 - every tick (86 400 of them): store traffic of `--assets` synthetic assets, each appending one
   turn (48 tokens = 3 blocks) to its rolling session (match -> ensure_resident -> allocate_hot
   -> commit -> release -> record_access), old sessions aged hot -> warm -> cold and retired
@@ -49,8 +49,9 @@ from kvagentd.kvcache import keys as keymod
 from kvagentd.kvcache.keys import make_namespace
 from kvagentd.kvcache.store import TieredKVStore
 from kvagentd.maintenance import health
-from kvagentd.maintenance.faults import FaultPlan, FaultyFileIO
-from kvagentd.maintenance.service import Maintenance, build_cold_tier
+from kvagentd.kvcache.cold.faults import FaultPlan, FaultyFileIO
+from kvagentd.maintenance.service import Maintenance
+from kvagentd.services import build_tiers
 
 TICK_S = 3.0
 TURN_BLOCKS = 3
@@ -270,10 +271,10 @@ def _run(args: argparse.Namespace, root: Path, shadow: Path, clock: SimClock, c:
             free_space_floor_bytes=0, defrag_max_pause_s=0.1,
             scrub_rate_bytes_per_s=1 << 30))
     fio = FaultyFileIO(FileIO(), FaultPlan(), seed=7)
-    cold = build_cold_tier(cfg, geom, ns, file_io=fio)
     hot_blocks, warm_blocks = 4096, 4096
-    store = TieredKVStore(geom, ns, hot_bytes=hot_blocks * geom.block_bytes,
-                          warm_bytes=warm_blocks * geom.block_bytes, cold=cold)
+    cfg = dataclasses.replace(cfg, kv=dataclasses.replace(
+        cfg.kv, hot_bytes=hot_blocks * geom.block_bytes, warm_ratio=warm_blocks / hot_blocks))
+    store, cold = build_tiers(cfg, geom, ns, file_io=fio)
     health.write_status(cfg.maintenance.health_status_file, health.HealthStatus(
         health.HealthState.OK, clock(), "/dev/nvme0n1",
         health.SmartData("nvme-cli", 3, 0, 0, 100, 10), ()))

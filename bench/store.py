@@ -26,7 +26,7 @@ import torch
 from bench.common import Goal, Result, print_table, timeit, write_result
 from kvagentd.kvcache.base import KVGeometry, Tier
 from kvagentd.kvcache.codec import make_codec
-from kvagentd.kvcache.coldstore import ColdStore
+from kvagentd.kvcache.cold.store import ColdStore
 from kvagentd.kvcache.fileio import FileIO
 from kvagentd.kvcache.keys import make_namespace
 from kvagentd.kvcache.store import TieredKVStore
@@ -90,10 +90,14 @@ def main() -> int:
                                   "loadavg_start": os.getloadavg()}
     rows = []
 
-    cold = ColdStore(BENCH_DIR / "cold", GEOM, ns, codec="raw", capacity_bytes=8 << 30,
-                     segment_bytes=256 << 20, io_unit_bytes=128 << 10, read_batch_bytes=CHUNK)
-    store = TieredKVStore(GEOM, ns, hot_bytes=N_BLOCKS * bb, warm_bytes=N_BLOCKS * bb, cold=cold,
+    store = TieredKVStore(GEOM, ns, hot_bytes=N_BLOCKS * bb, warm_bytes=N_BLOCKS * bb,
+                          cold=lambda listener: ColdStore(
+                              BENCH_DIR / "cold", GEOM, ns, codec="raw", capacity_bytes=8 << 30,
+                              segment_bytes=256 << 20, io_unit_bytes=128 << 10,
+                              read_batch_bytes=CHUNK, listener=listener),
                           persist_on_shutdown=False)
+    cold = store.cold
+    assert isinstance(cold, ColdStore)
     tokens = list(range(N_BLOCKS * GEOM.block_tokens))
     slots = store.allocate_hot(N_BLOCKS, "bench")
     store.hot_arena()[torch.tensor(slots)] = kv
@@ -122,7 +126,7 @@ def main() -> int:
     figures.update(warm_to_hot_store_s=st_w2h, warm_to_hot_plain_s=plain)
 
     # -- cold write ----------------------------------------------------------------------------
-    rec = cold._rec_len[0]
+    rec = cold.record_bytes
     wtimes, rtimes = [], []
     staging = mmap.mmap(-1, CHUNK)
     staging.write(kv.view(-1).view(torch.uint8)[:CHUNK].numpy().tobytes())
@@ -152,7 +156,7 @@ def main() -> int:
     rbuf = mmap.mmap(-1, CHUNK)
     ctimes, rawtimes, ritimes = [], [], []
     outs = [torch.empty(GEOM.block_shape) for _ in range(N_BLOCKS)]
-    for rep in range(10):
+    for _ in range(10):
         store.release("c")
         store.demote(keys, Tier.COLD)  # in_cold: frees the slots, no write
         t0 = time.perf_counter()
@@ -201,8 +205,8 @@ def main() -> int:
         for name in ("raw", "int8", "fp8"):
             c = make_codec(name, GEOM)
             payload = torch.empty(N_BLOCKS, c.payload_nbytes, dtype=torch.uint8)
-            enc = timeit(lambda: c.encode(kv, payload), repeat=7)
-            dec = timeit(lambda: c.decode(payload, out), repeat=7)
+            enc = timeit(lambda c=c, payload=payload: c.encode(kv, payload), repeat=7)
+            dec = timeit(lambda c=c, payload=payload: c.decode(payload, out), repeat=7)
             k_err = ((out[:, :, 0] - kv[:, :, 0]).norm() / kv[:, :, 0].norm()).item()
             v_err = ((out[:, :, 1] - kv[:, :, 1]).norm() / kv[:, :, 1].norm()).item()
             figures[f"codec_{name}_{threads}t"] = {

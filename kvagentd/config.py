@@ -18,7 +18,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
+from collections.abc import Mapping
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvagentd/kvagentd.toml")
 ENV_PREFIX = "KVAGENTD_"
@@ -89,7 +90,8 @@ class ControlConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    source: Literal["embedded", "hf_dir", "gguf", "none"] = "embedded"  # none: no LLM (control + features only)
+    # none: no LLM (control + features only)
+    source: Literal["embedded", "hf_dir", "gguf", "none"] = "embedded"
     path: Path | None = None  # hf_dir: a directory; gguf: a .gguf file
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -317,7 +319,7 @@ def _convert(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
         if value not in args:
             raise ConfigError(path, value, "one of " + ", ".join(repr(a) for a in args))
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
     if origin is tuple:
         if not isinstance(value, list | tuple):

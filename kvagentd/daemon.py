@@ -1,8 +1,9 @@
 """The daemon's lifecycle: `run()` -> `startup()` -> `main_loop()` -> `shutdown()`.
 
-Startup: logging, state directories, the job scheduler, the control socket, the services (each
-constructed by `_build` just before it starts), then READY=1. The main loop pings the systemd watchdog
-only while it runs and the control and scheduler threads are alive, and publishes a STATUS line.
+Startup: logging, state directories, the job scheduler, the control socket, the services (built
+by the composition root `kvagentd.services`, then started in order), then READY=1. The main
+loop pings the systemd watchdog only while it runs and the control and scheduler threads are
+alive, and publishes a STATUS line.
 First SIGTERM/SIGINT (or POST /v1/shutdown): STOPPING=1, stop accepting, drain in-flight
 requests for `daemon.drain_timeout_s`, stop services in reverse start order (they flush), remove
 the socket, exit 0. A second SIGTERM/SIGINT exits at once. SIGHUP reloads the config file and
@@ -19,8 +20,9 @@ import signal
 import socket
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -31,11 +33,12 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from kvagentd import __version__
 from kvagentd import log as logsetup
 from kvagentd.config import RELOADABLE, Config, ConfigError, diff_reloadable, load_config
-from kvagentd.agent.jobs import TICK_PREFIX
 from kvagentd.control.handlers import register_all
 from kvagentd.control.router import Router
 from kvagentd.control.server import ControlServer, ControlSocketInUse
+from kvagentd.kvcache.transitions import check_transition
 from kvagentd.metrics import CoreMetrics, new_registry
+from kvagentd.services import BuildContext, Service, Services, build_services
 from kvagentd.status import GpuProbe, host_status
 from kvagentd.systemd import Notifier
 
@@ -47,9 +50,6 @@ EX_SOFTWARE = 70
 EX_CANTCREAT = 73
 EX_NOPERM = 77
 EX_CONFIG = 78
-
-# Start order; services stop in reverse. Each is None until `_build` sets it.
-SERVICE_ORDER = ("store", "placement", "engine", "maintenance", "agent")
 
 # Seconds of EXTEND_TIMEOUT_USEC requested before each service starts or stops.
 SERVICE_START_ALLOWANCE_S = 300.0
@@ -79,7 +79,8 @@ class Daemon:
     """Owns the configuration, scheduler, metrics, services and the control server."""
 
     def __init__(self, config: Config, config_path: Path | None = None, *,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None,
+                 build: Callable[[Config, BuildContext], Services] = build_services) -> None:
         self.config = config
         self.config_path = config_path
         self.notifier = notifier or Notifier()
@@ -90,16 +91,9 @@ class Daemon:
                                     | EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
         self.started_at = time.time()
         self._t0 = time.monotonic()
-        # Services (see SERVICE_ORDER); None when not configured on this machine.
-        self.store: Any = None
-        self.placement: Any = None
-        self.engine: Any = None
-        self.maintenance: Any = None
-        self.agent: Any = None
-        self.executor: Any = None  # the engine's executor (started and stopped by the engine)
-        self.model: Any = None  # the loaded model, when model.source is not "none"
-        self.cold: Any = None  # the cold tier (SSD store behind its /dev/shm shadow)
-        self._started: list[str] = []
+        self._build = build
+        self.services = Services()  # none until `startup` builds them
+        self._started: list[tuple[str, Service]] = []
         self.router = Router()
         self.server: ControlServer | None = None
         self.gpu = GpuProbe()
@@ -117,6 +111,31 @@ class Daemon:
 
     # -- state -----------------------------------------------------------------------------
 
+    # The services, for the control handlers; None where absent (or not built yet).
+    @property
+    def store(self) -> Any:
+        return self.services.store
+
+    @property
+    def placement(self) -> Any:
+        return self.services.placement
+
+    @property
+    def engine(self) -> Any:
+        return self.services.engine
+
+    @property
+    def maintenance(self) -> Any:
+        return self.services.maintenance
+
+    @property
+    def agent(self) -> Any:
+        return self.services.agent
+
+    @property
+    def executor(self) -> Any:
+        return self.services.executor
+
     @property
     def phase(self) -> str:
         return self._phase.value
@@ -127,8 +146,7 @@ class Daemon:
 
     def _set_phase(self, new: Phase) -> None:
         with self._phase_lock:
-            if new not in _TRANSITIONS[self._phase]:
-                raise RuntimeError(f"illegal daemon phase change {self._phase.value} -> {new.value}")
+            check_transition(_TRANSITIONS, self._phase, new, "daemon phase")
             log.debug("daemon_phase", old=self._phase.value, new=new.value)
             self._phase = new
         self.core_metrics.ready.set(1 if new is Phase.RUNNING else 0)
@@ -173,20 +191,19 @@ class Daemon:
                                     observe=self.core_metrics.observe_request,
                                     is_ready=lambda: self.ready)
         self.server.start()
-        for name in SERVICE_ORDER:
+        self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
+        self.notifier.status("building services")
+        self.services = self._build(cfg, BuildContext(self.scheduler, self.metrics,
+                                                      on_phase=self._on_build_phase))
+        for name, service in self.services.in_order():
             if self._stop_reason is not None:
                 log.info("startup_interrupted", reason=self._stop_reason, before=name)
                 return
             started = time.monotonic()
-            if getattr(self, name) is None:
-                setattr(self, name, self._build(name))
-            service = getattr(self, name)
-            if service is None:
-                continue
             self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
             self.notifier.status(f"starting {name}")
             service.start()
-            self._started.append(name)
+            self._started.append((name, service))
             log.info("service_started", service=name,
                      seconds=round(time.monotonic() - started, 3))
         self._set_phase(Phase.RUNNING)
@@ -194,80 +211,15 @@ class Daemon:
         line = self._status_line()
         self.notifier.ready(line)
         self._last_status_line = line
-        log.info("daemon_ready", socket=str(cfg.control.socket), services=self._started,
+        log.info("daemon_ready", socket=str(cfg.control.socket), services=self._started_names(),
                  startup_s=round(self.uptime_s(), 3))
 
-    def _build(self, name: str) -> Any:
-        """Construct service `name` for this configuration, or None where it does not apply.
+    def _on_build_phase(self, text: str) -> None:
+        self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
+        self.notifier.status(text)
 
-        Built just before it starts, in SERVICE_ORDER, so each one can use those before it.
-        The store needs the model's geometry and fingerprint, so building it loads the model.
-        """
-        cfg = self.config
-        if name == "store":
-            if cfg.model.source == "none":
-                return None
-            from kvagentd.engine.model import load_model, model_geometry
-            from kvagentd.kvcache.keys import make_namespace
-            from kvagentd.kvcache.store import TieredKVStore
-            from kvagentd.maintenance.service import build_cold_tier
-
-            self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
-            self.notifier.status("loading model")
-            self.model = load_model(cfg.model, Path(cfg.daemon.cache_dir))
-            geometry = model_geometry(self.model.model, cfg.kv.block_tokens, self.model.dtype)
-            namespace = make_namespace(self.model.fingerprint, self.model.dtype,
-                                       cfg.kv.block_tokens)
-            self.cold = build_cold_tier(cfg, geometry, namespace)
-            return TieredKVStore(geometry, namespace, hot_bytes=cfg.kv.hot_bytes,
-                                 warm_bytes=cfg.warm_bytes, cold=self.cold,
-                                 device=self.model.device,
-                                 persist_on_shutdown=cfg.kv.persist_on_shutdown)
-        if name == "placement":
-            if self.store is None or self.model is None:
-                return None
-            from kvagentd.kvcache.placement import PlacementService
-
-            return PlacementService(self.store, cfg.placement, cfg.kv, self.scheduler,
-                                    summary_path=Path(cfg.daemon.state_dir) / "heat-summary.json",
-                                    registry=self.metrics)
-        if name == "engine":
-            if self.store is None or self.model is None:
-                return None
-            from kvagentd.engine.service import Engine
-
-            engine = Engine(self.model, self.store, state_dir=Path(cfg.daemon.state_dir),
-                            executor_config=cfg.executor, registry=self.metrics)
-            self.executor = engine.executor
-            return engine
-        if name == "maintenance":
-            from kvagentd.maintenance.service import Maintenance
-
-            if self.cold is None:
-                return None  # no model, no KV tiers: nothing to maintain
-            return Maintenance(cfg, self.store, self.cold, self.scheduler, is_idle=self.is_idle)
-        if name == "agent":
-            if not cfg.agent.enabled:
-                return None
-            from kvagentd.agent.agent import Agent
-
-            return Agent(cfg.agent, self.executor, self.scheduler, Path(cfg.daemon.state_dir),
-                         store_stats=self.store.stats if self.store is not None else None)
-        raise ValueError(f"unknown service {name!r}")  # a bug: SERVICE_ORDER and _build disagree
-
-    def is_idle(self, expected_s: float = 0.0) -> bool:
-        """True when no generation runs or waits and no sensor tick is due within `expected_s`:
-        the moment for maintenance that pauses admission (defrag)."""
-        if self.executor is not None:
-            st = self.executor.status()
-            if st["active"] or any(st["queued"].values()):
-                return False
-        horizon = time.time() + expected_s
-        for job in self.scheduler.get_jobs():
-            if job.id.startswith(TICK_PREFIX) and job.next_run_time is not None \
-                    and job.next_run_time.timestamp() <= horizon:
-                return False
-        return True
+    def _started_names(self) -> list[str]:
+        return [name for name, _ in self._started]
 
     def main_loop(self) -> None:
         interval = self.config.daemon.main_loop_interval_s
@@ -311,8 +263,7 @@ class Daemon:
             self.server.stop(self.config.daemon.drain_timeout_s)
         if self.scheduler.running:
             self.scheduler.shutdown(wait=False)
-        for name in reversed(self._started):
-            service = getattr(self, name)
+        for name, service in reversed(self._started):
             self.notifier.extend_timeout(SERVICE_STOP_ALLOWANCE_S)
             self.notifier.status(f"stopping {name}")
             try:
@@ -405,13 +356,11 @@ class Daemon:
         self.config = merged
         if "daemon.log_level" in live:
             logsetup.set_level(merged.daemon.log_level)
-        for name in self._started:
-            service = getattr(self, name)
-            if hasattr(service, "reload"):
-                try:
-                    service.reload(merged)
-                except Exception as exc:  # a service refusing its new settings keeps running
-                    log.error("service_reload_failed", service=name, exc_info=exc)
+        for name, service in self._started:
+            try:
+                service.reload(merged)
+            except Exception as exc:  # a service refusing its new settings keeps running
+                log.error("service_reload_failed", service=name, exc_info=exc)
         self.core_metrics.reloads.labels("applied").inc()
         log.info("config_reloaded", applied={k: list(v) for k, v in live.items()},
                  restart_required=restart)
@@ -429,7 +378,7 @@ class Daemon:
             "pid": os.getpid(),
             "phase": self.phase,
             "ready": self.ready,
-            "started_at": datetime.fromtimestamp(self.started_at, timezone.utc).isoformat(),
+            "started_at": datetime.fromtimestamp(self.started_at, UTC).isoformat(),
             "uptime_s": round(self.uptime_s(), 3),
             "config_path": str(self.config_path) if self.config_path else None,
             "host": host_status([cfg.daemon.state_dir, cfg.daemon.cache_dir, cfg.kv.cold_dir,
@@ -446,11 +395,8 @@ class Daemon:
         out["scheduler"] = {"running": self.scheduler.running, "jobs": [
             {"id": j.id, "name": j.name, "next_run": j.next_run_time.isoformat()
              if j.next_run_time else None} for j in self.scheduler.get_jobs()]}
-        out["services"] = list(self._started)
-        for name in SERVICE_ORDER:
-            service = getattr(self, name)
-            if service is None:
-                continue
+        out["services"] = self._started_names()
+        for name, service in self.services.in_order():
             try:
                 out[name] = service.status()
             except Exception as exc:  # one broken status provider must not hide the others
@@ -487,13 +433,11 @@ class Daemon:
                 continue
             add(f"disk {disk['path']}", "degraded" if disk["free_bytes"] < floor else "ok",
                 f"{disk['free_bytes'] / 2**30:.1f} GiB free")
-        for name in SERVICE_ORDER:
-            service = getattr(self, name)
-            probe = getattr(service, "health", None) if service is not None else None
-            if probe is None:
-                continue
+        for name, service in self.services.in_order():
             try:
-                h = probe()
+                h = service.health()
+                if h is None:
+                    continue
                 add(name, h.get("status", "ok"), str(h.get("detail", "")))
             except Exception as exc:  # a failing probe is itself a failing check
                 log.error("service_health_failed", service=name, exc_info=exc)
@@ -508,7 +452,7 @@ class Daemon:
         if self.server is not None:
             parts.append(f"socket {self.server.path}")
             parts.append(f"{self.server.in_flight} requests in flight")
-        parts.append("services: " + (", ".join(self._started) or "none"))
+        parts.append("services: " + (", ".join(self._started_names()) or "none"))
         return "; ".join(parts)
 
     def _threads_alive(self) -> bool:

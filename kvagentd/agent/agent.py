@@ -37,7 +37,7 @@ from kvagentd.agent.features import extract
 from kvagentd.agent.model_client import Completion, Executor, ModelClient
 from kvagentd.agent.reports import ReportWriter
 from kvagentd.agent.sensors import BadData, SensorSource, make_source, validate
-from kvagentd.config import AgentConfig, AssetConfig
+from kvagentd.config import AgentConfig, AssetConfig, Config
 
 log = structlog.get_logger(__name__)
 
@@ -141,17 +141,21 @@ class Agent:
         self.events.close()
         log.info("agent.stopped")
 
-    def reload(self, config: AgentConfig) -> dict[str, Any]:
-        """Apply a new tick interval / report cron; asset changes need a restart."""
+    def health(self) -> dict[str, Any] | None:
+        return None
+
+    def reload(self, full: Config) -> None:
+        """Apply a new tick interval / report cron from the `agent` section; asset changes
+        need a restart."""
+        config = full.agent
         old = self.config
         self.config = config
         if self.model is not None:
             self.model.reload(config)
         if self._running and config.enabled:
             self._schedule(config)
-        restart = [a.name for a in config.assets] != [a.name for a in old.assets]
-        return {"tick_interval_s": config.tick_interval_s,
-                "weekly_report_cron": config.weekly_report_cron, "restart_needed": restart}
+        if [a.name for a in config.assets] != [a.name for a in old.assets]:
+            log.warning("agent.assets_changed", effect="restart required")
 
     def _schedule(self, config: AgentConfig) -> None:
         trigger = jobs.weekly_trigger(config.weekly_report_cron)

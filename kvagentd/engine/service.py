@@ -147,6 +147,12 @@ class Engine:
         self.table.close()
         log.info("engine_stopped")
 
+    def health(self) -> dict[str, Any] | None:
+        return None
+
+    def reload(self, config: object) -> None:
+        """Nothing of the engine is reloadable."""
+
     def submit(self, req: GenerationRequest) -> Job:
         return self.executor.submit(req)
 

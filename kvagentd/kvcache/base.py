@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -48,12 +49,12 @@ class KVGeometry:
         return self.block_numel * torch.empty((), dtype=self.dtype).element_size()
 
     @classmethod
-    def from_model_config(cls, config: object, block_tokens: int, dtype: torch.dtype) -> KVGeometry:
+    def from_model_config(cls, config: Any, block_tokens: int, dtype: torch.dtype) -> KVGeometry:
         """From a transformers PretrainedConfig (Llama-style attributes)."""
-        heads = getattr(config, "num_attention_heads")
+        heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size") // heads
-        return cls(getattr(config, "num_hidden_layers"), kv_heads, head_dim, block_tokens, dtype)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, block_tokens, dtype)
 
 
 class Tier(enum.Enum):
@@ -204,40 +205,114 @@ class BlockInfo(NamedTuple):
     nbytes: int
 
 
-class ColdBackend(ABC):
-    """A directory of checksummed cold records (the SSD cold tier, or the /dev/shm shadow).
+class ColdListener(Protocol):
+    """What a cold tier tells its owner (the block store), passed to it at construction.
+    Called without any of the cold tier's locks held by the caller's thread of control, and
+    never with the owner's lock held (the owner never calls the cold tier under its lock)."""
 
-    Expected outcomes are return values: `put` returns False when full or read-only; `read_into`
-    returns False when the record is missing, unreadable or fails its checksum (and counts it).
+    def cold_evicted(self, keys: list[BlockKey]) -> None:
+        """These records were dropped to stay under the cold tier's capacity."""
+
+    def cold_failed_over(self) -> None:
+        """The cold tier now writes to a stand-in device because the SSD failed: copies made
+        before on the SSD may be unreadable, so they must not be relied on any more."""
+
+
+class ColdEntry(NamedTuple):
+    """One record, as the owner rebuilds its block table from it after a restart."""
+
+    key: BlockKey
+    last_access: float
+    session: str  # the session that wrote the record ("" when several or none)
+
+
+class ColdTier(Protocol):
+    """A directory of checksummed cold records: the SSD cold store, the /dev/shm shadow, or
+    the failover pair of both. Every member its users (the block store, the migrator,
+    maintenance) call is listed here.
+
+    Expected outcomes are return values, never exceptions: `put_many` returns False for a
+    record it could not store (full, read-only, I/O error), `read_into` False for one that is
+    missing, unreadable or fails its checksum (counted in `stats()`).
     """
 
-    @abstractmethod
-    def put(self, key: BlockKey, block: torch.Tensor, *, session: str = "", num_tokens: int = 0) -> bool:
-        """Encode `block` (CPU tensor of `geometry.block_shape`) and store it durably."""
+    @property
+    def namespace(self) -> bytes: ...
 
-    @abstractmethod
+    @property
+    def ttl_s(self) -> float:
+        """Seconds a record lives after its last access (refreshed by reads and `touch`)."""
+        ...
+
+    @property
+    def read_only(self) -> bool:
+        """True while new records are refused (SSD wear limit, EROFS)."""
+        ...
+
+    def set_read_only(self, flag: bool) -> None: ...
+
+    @property
+    def bytes_used(self) -> int: ...
+
+    def put_many(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor] | torch.Tensor,
+                 *, session: str = "", num_tokens: int = 0) -> list[bool]:
+        """Encode each block (CPU tensor of `geometry.block_shape`) and store it durably:
+        written, synced, then indexed. A key already present is left as it is (True)."""
+        ...
+
     def read_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Read and verify each record into its CPU destination tensor; batched, sequential I/O."""
+        """Read and verify each record into its CPU destination tensor; batched I/O."""
+        ...
 
-    @abstractmethod
     def contains(self, key: BlockKey) -> bool: ...
 
-    @abstractmethod
-    def delete(self, keys: Iterable[BlockKey]) -> int: ...
-
-    @abstractmethod
     def keys(self) -> list[BlockKey]: ...
 
-    @abstractmethod
+    def entries(self) -> list[ColdEntry]:
+        """Every record of this namespace (the owner's table after a restart)."""
+        ...
+
     def snapshot(self) -> list[BlockInfo]:
         """One row per record (tier COLD, sessions from the stored references)."""
+        ...
 
-    @abstractmethod
+    def delete(self, keys: Iterable[BlockKey]) -> int:
+        """Forget records (their space returns with `compact`); returns how many went."""
+        ...
+
     def evict(self, keys: Sequence[BlockKey]) -> int:
-        """Delete records to free space (TTL expiry, capacity); returns how many went."""
+        """`delete`, counted as an eviction (TTL expiry, space)."""
+        ...
 
-    @abstractmethod
-    def stats(self) -> dict[str, object]: ...
+    def expired(self, now: float | None = None) -> list[BlockKey]:
+        """Keys whose TTL has run out at `now`."""
+        ...
 
-    @abstractmethod
+    def touch(self, keys: Sequence[BlockKey], now: float | None = None) -> None:
+        """Refresh the TTL of records that were used without being read."""
+        ...
+
+    def save_refs(self, refs: dict[str, Iterable[BlockKey]]) -> None:
+        """Replace the stored session -> keys map."""
+        ...
+
+    def load_refs(self) -> dict[str, list[BlockKey]]: ...
+
+    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
+        """Read and check every record now (the scrub): checked, corrupt, missing, repaired,
+        bytes. `repair` forgets the bad ones."""
+        ...
+
+    def compact(self, min_dead_ratio: float = 0.5) -> int:
+        """Rewrite mostly-dead segments; returns bytes reclaimed."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-ready figures and counters (`io_errors`, `write_failures`, `corrupt`, ...)."""
+        ...
+
     def close(self) -> None: ...
+
+
+ColdTierFactory = Callable[[ColdListener], ColdTier]
+"""Builds a cold tier that reports to the given listener (the store passes itself)."""

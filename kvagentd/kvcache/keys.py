@@ -9,7 +9,7 @@ the namespace. Keys are stable across processes and machines (no Python `hash()`
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

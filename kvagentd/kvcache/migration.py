@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import structlog
 import torch
 
-from kvagentd.kvcache.base import ColdBackend, Tier
+from kvagentd.kvcache.base import BlockKey, ColdTier, Tier
 from kvagentd.kvcache.pool import BlockPool
 from kvagentd.kvcache.state import TIER_STATE, BlockMeta, BlockState, transition
 
@@ -28,8 +28,9 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
-class Move:
-    """One block in flight; `src_slot` / `dst_slot` are None for the cold tier."""
+class Transfer:
+    """One block's bytes in flight between tiers; `src_slot` / `dst_slot` are None for the
+    cold tier."""
 
     meta: BlockMeta
     src: Tier
@@ -50,25 +51,29 @@ def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _slots(tr: Transfer) -> tuple[int, int]:
+    """Source and destination slot of a pool-to-pool transfer."""
+    assert tr.src_slot is not None and tr.dst_slot is not None
+    return tr.src_slot, tr.dst_slot
+
+
 class Migrator:
     """Executes moves for the store. `prepare` and `complete` must be called with the store's
     owner lock (`cond`) held; `copy` without it."""
 
-    def __init__(self, pools: dict[Tier, BlockPool], owners: dict[Tier, dict[int, bytes]],
-                 cold: ColdBackend | None, cond: threading.Condition) -> None:
+    def __init__(self, pools: dict[Tier, BlockPool], owners: dict[Tier, dict[int, BlockKey]],
+                 cold: ColdTier | None, cond: threading.Condition) -> None:
         self.pools = pools
         self.owners = owners
         self.cold = cold
         self.cond = cond
         hot = pools[Tier.HOT]
-        self.stream = torch.cuda.Stream(hot.device) if hot.device.type == "cuda" else None
+        self.stream = (torch.cuda.Stream(hot.device)  # type: ignore[no-untyped-call]
+                       if hot.device.type == "cuda" else None)
         self.moved = 0
         self.failed = 0
 
-    def can_prepare(self, dst: Tier, n: int) -> bool:
-        return dst is Tier.COLD or self.pools[dst].can_allocate(n)
-
-    def prepare(self, metas: Sequence[BlockMeta], dst: Tier) -> list[Move] | None:
+    def prepare(self, metas: Sequence[BlockMeta], dst: Tier) -> list[Transfer] | None:
         """Reserve destinations and mark MIGRATING; None when `dst` lacks room for all."""
         slots: list[int | None]
         if dst is Tier.COLD:
@@ -82,12 +87,12 @@ class Migrator:
         for m, s in zip(metas, slots):
             src = m.tier
             assert src is not None, "only resident blocks are prepared"
-            moves.append(Move(m, src, dst, m.slot, s))
+            moves.append(Transfer(m, src, dst, m.slot, s))
             m.src_state, m.dst_tier, m.dst_slot = m.state, dst, s
             transition(m, BlockState.MIGRATING)
         return moves
 
-    def copy(self, moves: Sequence[Move]) -> list[bool]:
+    def copy(self, moves: Sequence[Transfer]) -> list[bool]:
         """Move the bytes; returns success per move. Never raises for a storage fault."""
         ok = [False] * len(moves)
         groups: dict[tuple[Tier, Tier], list[int]] = {}
@@ -95,7 +100,7 @@ class Migrator:
             groups.setdefault((mv.src, mv.dst), []).append(i)
         for (src, dst), idx in groups.items():
             if src is not Tier.COLD and dst is not Tier.COLD:
-                self._copy_pools(src, dst, [(moves[i].src_slot, moves[i].dst_slot) for i in idx])
+                self._copy_pools(src, dst, [_slots(moves[i]) for i in idx])
                 for i in idx:
                     ok[i] = True
             elif dst is Tier.COLD:
@@ -122,7 +127,7 @@ class Migrator:
                 b[d:d + n].copy_(a[s:s + n], non_blocking=True)
         self.stream.synchronize()
 
-    def _write_cold(self, src: Tier, moves: list[Move]) -> list[bool]:
+    def _write_cold(self, src: Tier, moves: list[Transfer]) -> list[bool]:
         if self.cold is None:
             return [False] * len(moves)
         todo = [mv for mv in moves if not mv.meta.in_cold]
@@ -132,19 +137,15 @@ class Migrator:
         assert arena.device.type == "cpu", "GPU -> SSD stages through warm"
         sessions = {s for mv in todo for s in mv.meta.sessions}
         session = next(iter(sessions)) if len(sessions) == 1 else ""
-        put_many = getattr(self.cold, "put_many", None)
         blocks = [arena[mv.src_slot] for mv in todo]
         keys = [mv.meta.key for mv in todo]
-        if put_many is not None:
-            res = put_many(keys, blocks, session=session)
-        else:
-            res = [self.cold.put(k, b, session=session) for k, b in zip(keys, blocks)]
+        res = self.cold.put_many(keys, blocks, session=session)
         done = {mv.meta.key for mv, r in zip(todo, res) if r}
         for mv in todo:
             mv.wrote = mv.meta.key in done
         return [mv.meta.in_cold or mv.meta.key in done for mv in moves]
 
-    def complete(self, moves: Sequence[Move], ok: Sequence[bool]) -> list[BlockMeta]:
+    def complete(self, moves: Sequence[Transfer], ok: Sequence[bool]) -> list[BlockMeta]:
         """Publish or revert each move; returns the blocks that became LOST. Wakes waiters."""
         lost = []
         for mv, good in zip(moves, ok):

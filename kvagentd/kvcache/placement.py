@@ -429,6 +429,9 @@ class PlacementService:
             self._job.reschedule("interval", seconds=cfg.interval_s)
         log.info("placement.reloaded", policy=cfg.policy, interval_s=cfg.interval_s)
 
+    def health(self) -> dict[str, Any] | None:
+        return None
+
     def status(self) -> dict[str, object]:
         caps = self.capacities()
         return {"policy": self.policy.name, "interval_s": self.config.interval_s,

@@ -10,7 +10,8 @@ Not thread-safe: the store calls it under its owner lock.
 from __future__ import annotations
 
 import heapq
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Sequence
 
 import numpy as np
 import torch

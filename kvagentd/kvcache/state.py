@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, Tier
+from kvagentd.kvcache.transitions import IllegalTransition, check_transition
+
+__all__ = ["ALLOWED", "STATE_TIER", "TIER_STATE", "BlockMeta", "BlockState", "IllegalTransition",
+           "IntegrityError", "transition"]
 
 log = structlog.get_logger(__name__)
 
@@ -38,10 +42,6 @@ TIER_STATE = {Tier.HOT: S.HOT, Tier.WARM: S.WARM, Tier.COLD: S.COLD}
 STATE_TIER = {v: k for k, v in TIER_STATE.items()}
 
 
-class IllegalTransition(RuntimeError):
-    """A state change outside `ALLOWED`: a bug in the caller."""
-
-
 class IntegrityError(AssertionError):
     """A broken invariant found by `check_integrity()`."""
 
@@ -59,6 +59,9 @@ class BlockMeta:
     users: int = 0                   # use-references of running requests
     sessions: set[str] = field(default_factory=set)
     last_access: float = 0.0
+    # cold copies on a device that failed (see the store's `cold_failed_over`)
+    stale_cold: bool = False    # a record there to delete when the block is forgotten
+    recheck_cold: bool = False  # read from there while moving: settle when the move completes
     # while MIGRATING: where it was and where it goes
     src_state: BlockState | None = None
     dst_tier: Tier | None = None
@@ -71,7 +74,6 @@ class BlockMeta:
 
 def transition(meta: BlockMeta, new: BlockState) -> None:
     """Move `meta` to state `new`; raises IllegalTransition on an edge not in `ALLOWED`."""
-    if new not in ALLOWED[meta.state]:
-        raise IllegalTransition(f"block {meta.key.hex()}: {meta.state.value} -> {new.value}")
+    check_transition(ALLOWED, meta.state, new, f"block {meta.key.hex()} state")
     log.debug("block_transition", key=meta.key.hex(), old=meta.state.value, new=new.value)
     meta.state = new

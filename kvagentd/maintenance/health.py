@@ -27,11 +27,16 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from kvagentd.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from kvagentd.kvcache.base import ColdTier
+    from kvagentd.kvcache.store import TieredKVStore
 
 log = structlog.get_logger(__name__)
 
@@ -273,16 +278,16 @@ class HealthReport:
 class HealthMonitor:
     """Acts on the SSD status file, free space and cold I/O errors; one `check()` per interval.
 
-    `cold` is the cold store (`read_only` / `set_read_only(bool)`, `stats()` counters
-    `io_errors` and `write_failures`); `store` the
-    KV store (`snapshot()`, `evict()`); `on_failure(reason)` is called when the cold tier should
-    fail over (a `FailoverColdStore.activate`), `on_probe()` when the SSD looks healthy (its
-    good-probe counter for failback).
+    `cold` is the cold tier (`set_read_only`, `compact`, `stats()` counters `io_errors` and
+    `write_failures`); `store` the KV store (`snapshot()`, `evict()`); `on_failure(reason)` is
+    called when the cold tier should fail over (a `FailoverColdStore.activate`), `on_probe()`
+    when the SSD looks healthy (its good-probe counter for failback).
     """
 
-    def __init__(self, cfg: Config, *, store: Any = None, cold: Any = None,
-                 on_failure: Callable[[str], None] | None = None,
-                 on_probe: Callable[[], None] | None = None,
+    def __init__(self, cfg: Config, *, store: TieredKVStore | None = None,
+                 cold: ColdTier | None = None,
+                 on_failure: Callable[[str], object] | None = None,
+                 on_probe: Callable[[], object] | None = None,
                  clock: Callable[[], float] = time.time,
                  disk_usage: Callable[[Path], int] | None = None) -> None:
         self.cfg = cfg
@@ -302,12 +307,6 @@ class HealthMonitor:
             return 0
         return int(st.get("io_errors", 0) or 0) + int(st.get("write_failures", 0) or 0)
 
-    def _set_read_only(self, flag: bool) -> None:
-        if hasattr(self.cold, "set_read_only"):
-            self.cold.set_read_only(flag)
-        else:
-            self.cold.read_only = flag
-
     def check(self) -> HealthReport:
         m = self.cfg.maintenance
         status = read_status(m.health_status_file)
@@ -318,19 +317,19 @@ class HealthMonitor:
         if status.written_at is not None and self.clock() - status.written_at > stale_after:
             warnings.append(f"SSD status file is {self.clock() - status.written_at:.0f} s old")
         # Wear -> read-only (sticky until the status says otherwise).
-        worn = status.state in (HealthState.WORN, HealthState.FAILED) and bool(
-            status.smart and status.smart.percent_used is not None
-            and status.smart.percent_used >= m.wear_readonly_percent)
+        wear = status.smart.percent_used if status.smart is not None else None
+        worn = status.state in (HealthState.WORN, HealthState.FAILED) and (
+            wear is not None and wear >= m.wear_readonly_percent)
         if worn != self._read_only_by_wear and self.cold is not None:
-            self._set_read_only(worn)
+            self.cold.set_read_only(worn)
             self._read_only_by_wear = worn
             if worn:
-                log.warning("cold_tier_read_only", reason="wear", percent_used=status.smart.percent_used,
+                log.warning("cold_tier_read_only", reason="wear", percent_used=wear,
                             limit=m.wear_readonly_percent)
             else:
                 log.info("cold_tier_writable", reason="wear below limit")
         if self._read_only_by_wear:
-            warnings.append(f"cold tier read-only: SSD wear {status.smart.percent_used}% >= "
+            warnings.append(f"cold tier read-only: SSD wear {wear}% >= "
                             f"{m.wear_readonly_percent}%")
         # Failures -> failover; a clean interval -> a good probe.
         errors = self._cold_io_errors()
@@ -355,7 +354,7 @@ class HealthMonitor:
         if free is not None and free < m.free_space_floor_bytes:
             evicted = self.evict_for(m.free_space_floor_bytes - free)
             reclaimed = 0
-            if evicted and hasattr(self.cold, "compact"):
+            if evicted and self.cold is not None:
                 # Dropping index rows frees nothing on disk until the segments are rewritten.
                 reclaimed = int(self.cold.compact(0.25) or 0)
             warnings.append(f"free space {free} B below floor {m.free_space_floor_bytes} B: "

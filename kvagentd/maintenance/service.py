@@ -1,9 +1,10 @@
 """The maintenance service: defrag, SSD health, failover and scrub on the daemon's scheduler.
 
-    cold = build_cold_tier(config, geometry, namespace)          # FailoverColdStore
-    store = TieredKVStore(geometry, namespace, ..., cold=cold)
     m = Maintenance(config, store, cold, scheduler, is_idle=executor_idle)
     m.start() ... m.stop()
+
+`cold` is the store's cold tier (a `FailoverColdStore` in the daemon, built by the composition
+root); failover operations need that pair, the rest any `ColdTier`.
 
 `is_idle(expected_s)` (or a zero-argument callable) says whether the daemon may pause for about
 `expected_s` seconds now: no request running and no agent tick due within that time. The timed
@@ -15,16 +16,18 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import structlog
 import torch
 
 from kvagentd.config import Config
-from kvagentd.kvcache.base import KVGeometry, Tier
+from kvagentd.kvcache.base import ColdTier, Tier
+from kvagentd.kvcache.cold.failover import FailoverColdStore
+from kvagentd.kvcache.pool import BlockPool
+from kvagentd.kvcache.store import TieredKVStore
 from kvagentd.maintenance import defrag as dfr
-from kvagentd.maintenance.failover import FailoverColdStore
-from kvagentd.maintenance.faults import FaultyFileIO, from_debug_config
 from kvagentd.maintenance.health import HealthMonitor
 from kvagentd.maintenance.scrub import Scrubber
 from kvagentd.maintenance import tune as tn
@@ -38,35 +41,6 @@ class DefragBusy(RuntimeError):
     """A defrag is already running."""
 
 
-def build_cold_tier(config: Config, geometry: KVGeometry, namespace: bytes, *,
-                    file_io: Any = None) -> FailoverColdStore:
-    """The SSD cold store behind a shadow stand-in in `maintenance.shadow_dir`.
-
-    The `[debug]` fault settings, when any is on, wrap the SSD store's file I/O in a
-    `FaultyFileIO` (seeded by `debug.fault_seed`).
-    """
-    from kvagentd.kvcache.coldstore import ColdStore
-    from kvagentd.kvcache.fileio import FileIO
-
-    kv, m = config.kv, config.maintenance
-    fio = file_io if file_io is not None else FileIO()
-    plan = from_debug_config(config.debug)
-    if plan.active:
-        fio = FaultyFileIO(fio, plan, seed=config.debug.fault_seed)
-        log.warning("fault_injection_on", plan=str(plan))
-    primary = ColdStore(kv.cold_dir, geometry, namespace, codec=kv.cold_codec,
-                        capacity_bytes=kv.cold_capacity_bytes, segment_bytes=kv.segment_bytes,
-                        io_unit_bytes=kv.io_unit_bytes, o_direct=kv.o_direct, file_io=fio,
-                        ttl_s=kv.cold_ttl_s, io_threads=kv.io_threads)
-    shadow_seg = max(1 << 20, min(int(kv.segment_bytes), int(m.shadow_bytes) // 4))
-    shadow = ColdStore(m.shadow_dir, geometry, namespace, codec=kv.cold_codec,
-                       capacity_bytes=m.shadow_bytes, segment_bytes=shadow_seg,
-                       io_unit_bytes=kv.io_unit_bytes, o_direct=False, ttl_s=kv.cold_ttl_s)
-    return FailoverColdStore(primary, shadow, geometry, probe_dir=kv.cold_dir, file_io=fio,
-                             failback_good_probes=m.failback_good_probes,
-                             shadow_capacity_bytes=int(m.shadow_bytes))
-
-
 def _as_idle(fn: Callable[..., bool]) -> Callable[[float], bool]:
     try:
         takes = len(inspect.signature(fn).parameters) > 0
@@ -78,8 +52,8 @@ def _as_idle(fn: Callable[..., bool]) -> Callable[[float], bool]:
 class Maintenance:
     """start/stop/status/reload plus the operations behind kvctl defrag/tune/failover/scrub."""
 
-    def __init__(self, config: Config, store: Any, cold: Any, scheduler: Any,
-                 is_idle: Callable[..., bool] = lambda: True) -> None:
+    def __init__(self, config: Config, store: TieredKVStore | None, cold: ColdTier | None,
+                 scheduler: Any, is_idle: Callable[..., bool] = lambda: True) -> None:
         self.config = config
         self.store, self.cold, self.scheduler = store, cold, scheduler
         self.is_idle = _as_idle(is_idle)
@@ -89,7 +63,7 @@ class Maintenance:
             on_failure=self.failover.activate if self.failover else None,
             on_probe=self.failover.probe if self.failover else None)
         self.scrubber = Scrubber(cold, int(config.maintenance.scrub_rate_bytes_per_s)) \
-            if cold is not None and hasattr(cold, "verify") else None
+            if cold is not None else None
         self._defrag_lock = threading.Lock()
         self._scrub_thread: threading.Thread | None = None
         # Seconds per block move: a pessimistic 1 GB/s copy until a run has measured it.
@@ -191,7 +165,8 @@ class Maintenance:
             self.scrubber.run()
 
     # ---- defrag --------------------------------------------------------------------------
-    def _pool(self, tier: Tier) -> Any:
+    def _pool(self, tier: Tier) -> BlockPool:
+        assert self.store is not None
         return self.store.pool(tier)
 
     def measure(self, tier: Tier) -> dfr.FragStats | None:
@@ -242,7 +217,7 @@ class Maintenance:
                     progress: Callable[[str, int, int], None] | None,
                     should_continue: Callable[[], bool]) -> dict[str, Any]:
         if tier == "cold":
-            if self.cold is None or not hasattr(self.cold, "compact"):
+            if self.cold is None:
                 return {"tier": "cold", "note": "no cold tier"}
             if dry_run:
                 return {"tier": "cold", "dry_run": True, "before": self.fragmentation().get("cold")}
@@ -330,4 +305,4 @@ class Maintenance:
         return {"running": running, **(self.scrubber.status() if self.scrubber else {})}
 
 
-__all__ = ["Maintenance", "DefragBusy", "build_cold_tier"]
+__all__ = ["DefragBusy", "Maintenance"]

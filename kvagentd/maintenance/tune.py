@@ -24,7 +24,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import structlog
 
@@ -291,6 +291,7 @@ def apply(report: TuneReport, *, writer: Callable[[str, str], None] = _write_sys
             "oneshot and the 60-kvagentd-nvme udev rule apply them at boot")
     done = []
     for c in todo:
+        assert c.path is not None and c.target is not None  # selected above
         try:
             writer(c.path, c.target)
         except OSError as exc:

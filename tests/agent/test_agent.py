@@ -181,7 +181,10 @@ def test_jobs_list_run_pause_resume(tmp_path, fake_executor, scheduler, clock):
     assert jobs.run_job(scheduler, "agent.weekly.pump-1")["next_run"] is not None
     with pytest.raises(jobs.UnknownJob):
         jobs.pause_job(scheduler, "nope")
-    ag.reload(dataclasses.replace(ag.config, tick_interval_s=5.0))
+    from kvagentd.config import Config
+
+    # SIGHUP hands services the whole configuration; the agent applies its section
+    ag.reload(Config(agent=dataclasses.replace(ag.config, tick_interval_s=5.0)))
     assert "0:00:05" in jobs.job_info(scheduler.get_job("agent.tick.pump-1"))["trigger"]
     ag.stop()
     assert jobs.list_jobs(scheduler) == []

@@ -23,7 +23,7 @@ def stack(tmp_path_factory):
     from kvagentd.engine.model import load_model, model_geometry
     from kvagentd.engine.service import Engine
     from kvagentd.engine.tiny import tiny_model_dir
-    from kvagentd.kvcache.coldstore import ColdStore
+    from kvagentd.kvcache.cold.store import ColdStore
     from kvagentd.kvcache.keys import make_namespace
     from kvagentd.kvcache.store import TieredKVStore
 
@@ -35,10 +35,11 @@ def stack(tmp_path_factory):
     geometry = model_geometry(loaded.model, BLOCK_TOKENS, loaded.dtype)
     ns = make_namespace(loaded.fingerprint, loaded.dtype, BLOCK_TOKENS)
     d = tmp_path_factory.mktemp("e2e")
-    cold = ColdStore(d / "cold", geometry, ns, capacity_bytes=256 << 20,
-                     segment_bytes=16 << 20, o_direct=False)
     store = TieredKVStore(geometry, ns, hot_bytes=512 * geometry.block_bytes,
-                          warm_bytes=512 * geometry.block_bytes, cold=cold)
+                          warm_bytes=512 * geometry.block_bytes,
+                          cold=lambda listener: ColdStore(
+                              d / "cold", geometry, ns, capacity_bytes=256 << 20,
+                              segment_bytes=16 << 20, o_direct=False, listener=listener))
     engine = Engine(loaded, store, state_dir=d / "engine", executor_config=ExecutorConfig())
     engine.start()
     yield engine, store, d

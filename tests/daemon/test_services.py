@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from kvagentd.config import load_config
-from kvagentd.daemon import SERVICE_ORDER, Daemon
+from kvagentd.daemon import Daemon
+from kvagentd.services import SERVICE_ORDER, Services
 from kvagentd.systemd import Notifier
 
 
@@ -19,8 +20,11 @@ class FakeService:
         self.name, self.journal = name, journal
         self.fail_status, self.health_value, self.fail_stop = fail_status, health, fail_stop
         self.reloaded: list[Any] = []
-        if health is not None:
-            self.health = lambda: {"status": self.health_value, "detail": f"{name} says so"}
+
+    def health(self) -> dict[str, Any] | None:
+        if self.health_value is None:
+            return None
+        return {"status": self.health_value, "detail": f"{self.name} says so"}
 
     def start(self) -> None:
         self.journal.append(f"start {self.name}")
@@ -39,7 +43,8 @@ class FakeService:
         self.reloaded.append(config)
 
 
-def _daemon(d: Path, agent_toml: str = "") -> Daemon:
+def _daemon(d: Path, agent_toml: str = "", **services: Any) -> Daemon:
+    """A daemon on a tmp config whose composition root builds `services` (fakes)."""
     path = d / "c.toml"
     path.write_text(f"""
 [daemon]
@@ -65,7 +70,8 @@ health_status_file = "{d}/state/ssd-health.json"
 enabled = false
 {agent_toml}
 """)
-    return Daemon(load_config(path, env={}), path, notifier=Notifier(env={}))
+    return Daemon(load_config(path, env={}), path, notifier=Notifier(env={}),
+                  build=lambda cfg, ctx: Services(**services))
 
 
 @pytest.fixture
@@ -76,10 +82,9 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_services_start_in_order_and_stop_in_reverse(tmp: Path) -> None:
     journal: list[str] = []
-    d = _daemon(tmp)
-    d.store = FakeService("store", journal)
-    d.engine = FakeService("engine", journal, fail_stop=True)
-    d.agent = FakeService("agent", journal)
+    d = _daemon(tmp, store=FakeService("store", journal),
+                engine=FakeService("engine", journal, fail_stop=True),
+                agent=FakeService("agent", journal))
     d.startup()
     assert d.ready
     d.shutdown()
@@ -92,9 +97,9 @@ def test_services_start_in_order_and_stop_in_reverse(tmp: Path) -> None:
 
 def test_status_and_health_merge_present_services_only(tmp: Path) -> None:
     journal: list[str] = []
-    d = _daemon(tmp)
-    d.store = FakeService("store", journal, health="ok")
-    d.maintenance = FakeService("maintenance", journal, fail_status=True, health="degraded")
+    d = _daemon(tmp, store=FakeService("store", journal, health="ok"),
+                maintenance=FakeService("maintenance", journal, fail_status=True,
+                                        health="degraded"))
     d.startup()
     try:
         s = d.status()
@@ -112,8 +117,7 @@ def test_status_and_health_merge_present_services_only(tmp: Path) -> None:
 
 def test_reload_applies_reloadable_fields_and_hands_config_to_services(tmp: Path) -> None:
     journal: list[str] = []
-    d = _daemon(tmp, "tick_interval_s = 3.0")
-    d.agent = FakeService("agent", journal)
+    d = _daemon(tmp, "tick_interval_s = 3.0", agent=FakeService("agent", journal))
     d.startup()
     try:
         assert d.config_path is not None
@@ -135,14 +139,11 @@ def test_reload_applies_reloadable_fields_and_hands_config_to_services(tmp: Path
 
 def test_startup_failure_stops_started_services(tmp: Path) -> None:
     journal: list[str] = []
-    d = _daemon(tmp)
-    d.store = FakeService("store", journal)
-
     class Broken(FakeService):
         def start(self) -> None:
             raise RuntimeError("model file is corrupt")
 
-    d.engine = Broken("engine", journal)
+    d = _daemon(tmp, store=FakeService("store", journal), engine=Broken("engine", journal))
     assert d.run() == 70
     assert journal == ["start store", "stop store"]
     assert not Path(d.config.control.socket).exists()
@@ -171,8 +172,6 @@ def test_socket_answers_during_a_slow_start_but_service_routes_wait(tmp: Path) -
     import httpx
 
     seen: dict[str, Any] = {}
-    d = _daemon(tmp)
-    d.router.route("GET", "/v1/probe")(lambda req: {"sessions": []})
 
     class SlowEngine(FakeService):
         def start(self) -> None:  # runs while the daemon is starting: query it like kvctl
@@ -182,7 +181,8 @@ def test_socket_answers_during_a_slow_start_but_service_routes_wait(tmp: Path) -
                 seen["readyz"] = c.get("/v1/readyz").status_code
                 seen["sessions"] = c.get("/v1/probe").status_code
 
-    d.engine = SlowEngine("engine", [])
+    d = _daemon(tmp, engine=SlowEngine("engine", []))
+    d.router.route("GET", "/v1/probe")(lambda req: {"sessions": []})
     d.startup()
     try:
         assert seen["status"]["phase"] == "starting" and seen["status"]["ready"] is False

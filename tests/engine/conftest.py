@@ -48,18 +48,19 @@ def smol(model_cache_dir: Path) -> LoadedModel:
 def make_store(lm: LoadedModel, root: Path, *, hot_blocks: int = 256, warm_blocks: int = 256,
                codec: str = "raw", cold: bool = True):
     """A real tiered store for `lm` with its cold tier under `root`."""
-    from kvagentd.kvcache.coldstore import ColdStore
+    from kvagentd.kvcache.cold.store import ColdStore
     from kvagentd.kvcache.store import TieredKVStore
 
     geometry = model_geometry(lm.model, BLOCK_TOKENS, lm.dtype)
     namespace = make_namespace(lm.fingerprint, lm.dtype, BLOCK_TOKENS)
-    cold_store = None
-    if cold:
-        cold_store = ColdStore(root / "cold", geometry, namespace, codec=codec,
-                               capacity_bytes=256 << 20, segment_bytes=8 << 20,
-                               io_unit_bytes=128 << 10, o_direct=False)
+    def cold_store(listener):
+        return ColdStore(root / "cold", geometry, namespace, codec=codec,
+                         capacity_bytes=256 << 20, segment_bytes=8 << 20,
+                         io_unit_bytes=128 << 10, o_direct=False, listener=listener)
+
     return TieredKVStore(geometry, namespace, hot_bytes=hot_blocks * geometry.block_bytes,
-                         warm_bytes=warm_blocks * geometry.block_bytes, cold=cold_store)
+                         warm_bytes=warm_blocks * geometry.block_bytes,
+                         cold=cold_store if cold else None)
 
 
 def greedy_reference(lm: LoadedModel, ids: list[int], n: int) -> list[int]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from kvagentd.kvcache.base import KVGeometry
-from kvagentd.kvcache.coldstore import ColdStore
+from kvagentd.kvcache.cold.store import ColdStore
 from kvagentd.kvcache.keys import make_namespace
 from kvagentd.kvcache.store import TieredKVStore
 
@@ -40,11 +41,16 @@ def make_cold(tmp_path: Path, geometry: KVGeometry, namespace: bytes) -> Callabl
 @pytest.fixture
 def make_store(geometry: KVGeometry, namespace: bytes,
                make_cold: Callable[..., ColdStore]) -> Callable[..., TieredKVStore]:
-    def build(hot: int = 8, warm: int = 8, cold: bool | ColdStore = True, **kw) -> TieredKVStore:
+    def build(hot: int = 8, warm: int = 8, cold: bool | dict[str, Any] = True,
+              **kw: Any) -> TieredKVStore:
+        """`cold`: True for a default cold store, a dict of `make_cold` arguments, or False.
+        The store builds it (it is the cold store's listener); reach it as `store.cold`."""
         bb = geometry.block_bytes
-        backend = make_cold() if cold is True else (cold or None)
+        cold_kw = {} if cold is True else cold
+        factory = None if cold is False else (
+            lambda listener: make_cold(listener=listener, **cold_kw))  # type: ignore[arg-type]
         return TieredKVStore(geometry, kw.pop("namespace", namespace), hot_bytes=hot * bb,
-                             warm_bytes=warm * bb, cold=backend, **kw)
+                             warm_bytes=warm * bb, cold=factory, **kw)
     return build
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from kvagentd.kvcache.coldstore import ALIGN
+from kvagentd.kvcache.cold.record import ALIGN
 from kvagentd.kvcache.fileio import FileIO
 from kvagentd.kvcache.keys import block_keys, make_namespace
 
@@ -102,17 +102,30 @@ def test_other_namespace_is_invisible(make_cold, geometry, namespace):
     assert _read(cs, _keys(namespace, 1), geometry)[0] == [False]
 
 
+class _Evictions:
+    """A cold-tier listener that records evictions."""
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+
+    def cold_evicted(self, keys: list[bytes]) -> None:
+        self.keys.extend(keys)
+
+    def cold_failed_over(self) -> None:
+        raise AssertionError("a single cold store never fails over")
+
+
 def test_capacity_evicts_oldest_and_reports(make_cold, geometry, namespace):
-    evicted: list[bytes] = []
+    heard = _Evictions()
     probe = make_cold(capacity_bytes=1 << 30)
     rec = ALIGN + ((geometry.block_bytes + ALIGN - 1) // ALIGN) * ALIGN
     probe.close()
-    cs = make_cold(directory=None, capacity_bytes=4 * rec, on_evict=evicted.extend)
+    cs = make_cold(directory=None, capacity_bytes=4 * rec, listener=heard)
     keys = _keys(namespace, 6)
     for k, b in zip(keys, _blocks(geometry, 6)):
         assert cs.put(k, b)
     assert cs.bytes_used <= 4 * rec
-    assert evicted == keys[:2] and set(cs.keys()) == set(keys[2:])
+    assert heard.keys == keys[:2] and set(cs.keys()) == set(keys[2:])
 
 
 def test_ttl_expiry_refreshed_on_read(make_cold, geometry, namespace):
@@ -237,13 +250,13 @@ def test_page_sized_blocks_read_straight_into_pool_slots(make_cold, namespace, t
     src = BlockPool("hot", 5, g.block_shape, g.dtype)
     for s, b in zip(src.allocate(5), blocks):
         src.arena[s].copy_(b)
-    assert all(cs._direct_src_ok(src.arena[s]) for s in range(5))
+    assert all(cs.writer._direct_src_ok(src.arena[s]) for s in range(5))
     assert cs.put_many(keys, [src.arena[s] for s in range(5)]) == [True] * 5
     pool = BlockPool("warm", 8, g.block_shape, g.dtype)
     slots = pool.allocate(5)
     assert pool.arena.data_ptr() % ALIGN == 0
     outs = [pool.arena[s] for s in slots]
-    assert all(cs._direct_ok(r, o) for r, o in zip(cs._rows(keys).values(), outs))
+    assert all(cs.reader.direct_ok(r, o) for r, o in zip(cs.index.rows(keys).values(), outs))
     assert cs.read_into(keys, outs) == [True] * 5
     assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
     cs.close()

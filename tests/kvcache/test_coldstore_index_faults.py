@@ -54,16 +54,16 @@ def test_full_disk_fails_the_put_and_rolls_back(make_cold, geometry):
     cs = make_cold()
     assert cs.put_many(_keys(4), _blocks(geometry, 4)) == [True] * 4
     # a real SQLITE_FULL: the index may not grow by a page
-    pages = cs._db.execute("PRAGMA page_count").fetchone()[0]
-    cs._db.execute(f"PRAGMA max_page_count={pages}")
+    pages = cs.index.db.execute("PRAGMA page_count").fetchone()[0]
+    cs.index.db.execute(f"PRAGMA max_page_count={pages}")
     many = 400  # enough rows to need new index pages
     res = cs.put_many(_keys(many, 100), _blocks(geometry, many, 100))
     assert not any(res)
-    assert not cs._db.in_transaction
+    assert not cs.index.db.in_transaction
     st = cs.stats()
     assert st["write_failures"] == many and st["index_errors"] >= 1
     assert st["blocks"] == 4 and st["bytes_used"] == cs.bytes_used
-    cs._db.execute("PRAGMA max_page_count=1073741823")
+    cs.index.db.execute("PRAGMA max_page_count=1073741823")
     # the index works again and nothing was half-committed
     assert cs.put_many(_keys(2, 100), _blocks(geometry, 2, 100)) == [True, True]
     outs = [torch.empty(geometry.block_shape) for _ in range(6)]
@@ -76,7 +76,7 @@ def test_full_disk_fails_the_put_and_rolls_back(make_cold, geometry):
 
 def test_failed_commit_leaves_no_open_transaction(make_cold, geometry):
     cs = make_cold()
-    cs._db = idx = FailingIndex(cs._db, fail_on=("COMMIT",))
+    cs.index.db = idx = FailingIndex(cs.index.db, fail_on=("COMMIT",))
     idx.armed = True
     assert cs.put_many(_keys(3), _blocks(geometry, 3)) == [False] * 3
     assert idx.failed >= 1 and not idx.in_transaction
@@ -95,7 +95,7 @@ def test_failed_last_access_update_never_fails_a_read(make_cold, geometry):
     cs = make_cold()
     keys, blocks = _keys(5), _blocks(geometry, 5)
     assert all(cs.put_many(keys, blocks))
-    cs._db = idx = FailingIndex(cs._db, fail_on=("COMMIT", "UPDATE"))
+    cs.index.db = idx = FailingIndex(cs.index.db, fail_on=("COMMIT", "UPDATE"))
     idx.armed = True
     for _ in range(3):
         outs = [torch.empty(geometry.block_shape) for _ in keys]
@@ -123,22 +123,22 @@ def test_reads_refresh_ttl_once_flushed(make_cold, geometry):
 def test_close_continues_past_a_failing_index(make_cold, geometry):
     cs = make_cold()
     assert all(cs.put_many(_keys(2), _blocks(geometry, 2)))
-    cs._db = idx = FailingIndex(cs._db, fail_on=("UPDATE", "PRAGMA", "CLOSE"))
+    cs.index.db = idx = FailingIndex(cs.index.db, fail_on=("UPDATE", "PRAGMA", "CLOSE"))
     idx.armed = True
     cs.close()  # logs and continues: the connection is closed all the same
-    assert idx.failed >= 2 and cs.counters["index_errors"] >= 2
+    assert idx.failed >= 2 and cs.stats()["index_errors"] >= 2
 
 
 def test_store_stays_serving_when_the_index_refuses_writes(make_store, make_cold, geometry):
     from .conftest import compute_blocks, fill_value
 
-    cold = make_cold()
-    st = make_store(hot=2, warm=0, cold=cold)
+    st = make_store(hot=2, warm=0)
+    cold = st.cold
     toks = list(range(16))
     keys = compute_blocks(st, "s", toks, 0, 2)
     st.release("s")
     assert st.demote(keys, Tier.COLD) == 2
-    cold._db = idx = FailingIndex(cold._db, fail_on=("COMMIT", "UPDATE", "INSERT", "DELETE"))
+    cold.index.db = idx = FailingIndex(cold.index.db, fail_on=("COMMIT", "UPDATE", "INSERT", "DELETE"))
     idx.armed = True
     r = st.ensure_resident(keys, "t")  # reads verify; their touches are dropped
     assert r.missing_from is None
@@ -152,7 +152,7 @@ def test_store_stays_serving_when_the_index_refuses_writes(make_store, make_cold
     assert [st.hot_arena()[s].flatten()[0].item() for s in r.slots] == [fill_value(k) for k in more]
     st.release("u")
     st.check_integrity()
-    assert cold.counters["write_failures"] == 2 and cold.counters["index_errors"] >= 1
+    assert cold.counters["write_failures"] == 2 and cold.stats()["index_errors"] >= 1
     idx.armed = False
     st.close()
 
@@ -163,10 +163,10 @@ def test_compaction_on_a_failing_index_keeps_every_record(make_cold, geometry):
     for i in range(0, 24, 8):  # one 64 KiB segment each
         assert all(cs.put_many(keys[i:i + 8], blocks[i:i + 8]))
     assert cs.delete(keys[::2]) == 12
-    cs._db = idx = FailingIndex(cs._db, fail_on=("UPDATE", "DELETE", "INSERT", "COMMIT"))
+    cs.index.db = idx = FailingIndex(cs.index.db, fail_on=("UPDATE", "DELETE", "INSERT", "COMMIT"))
     idx.armed = True
     cs.compact(min_dead_ratio=0.1)  # no raise; nothing half-moved
-    assert cs.counters["index_errors"] >= 1 and not idx.in_transaction
+    assert cs.stats()["index_errors"] >= 1 and not idx.in_transaction
     outs = [torch.empty(geometry.block_shape) for _ in keys[1::2]]
     assert cs.read_into(keys[1::2], outs) == [True] * 12
     for o, b in zip(outs, blocks[1::2]):

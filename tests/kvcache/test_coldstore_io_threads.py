@@ -81,12 +81,14 @@ def test_one_io_thread_reads_one_at_a_time(make_cold, geometry):
     cs.close()
 
 
-def test_from_config_passes_io_threads(tmp_path, geometry, namespace):
-    from kvagentd.config import KVConfig
-    from kvagentd.kvcache.store import from_config
+def test_composition_root_passes_io_threads(tmp_path, geometry, namespace):
+    from kvagentd.config import Config, KVConfig, MaintenanceConfig
+    from kvagentd.services import build_tiers
 
-    kv = KVConfig(cold_dir=tmp_path / "cold", hot_bytes=1 << 20, cold_capacity_bytes=1 << 20,
-                  segment_bytes=1 << 20, o_direct=False, io_threads=4)
-    st = from_config(kv, geometry, namespace)
-    assert st._cold.io_threads == 4
-    st.close()
+    cfg = Config(kv=KVConfig(cold_dir=tmp_path / "cold", hot_bytes=1 << 20,
+                             cold_capacity_bytes=1 << 20, segment_bytes=1 << 20, o_direct=False,
+                             io_threads=4),
+                 maintenance=MaintenanceConfig(shadow_dir=tmp_path / "shm", shadow_bytes=1 << 20))
+    tiers = build_tiers(cfg, geometry, namespace)
+    assert tiers.cold.primary.io_threads == 4
+    tiers.store.close()

@@ -11,7 +11,7 @@ import time
 import torch
 
 from kvagentd.kvcache.base import KVGeometry
-from kvagentd.kvcache.coldstore import ColdStore
+from kvagentd.kvcache.cold.store import ColdStore
 from kvagentd.kvcache.keys import block_keys, make_namespace
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=8, block_tokens=4, dtype=torch.float32)

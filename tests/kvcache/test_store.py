@@ -5,10 +5,9 @@ import threading
 import time
 
 import pytest
-import torch
 
 from kvagentd.kvcache.base import Tier
-from kvagentd.kvcache.coldstore import ALIGN
+from kvagentd.kvcache.cold.record import ALIGN
 from kvagentd.kvcache.fileio import FileIO
 from kvagentd.kvcache.keys import make_namespace
 from kvagentd.kvcache.state import BlockState
@@ -135,7 +134,7 @@ def test_other_namespace_matches_nothing(make_store, make_cold, geometry):
     st.release("a")
     st.close()
     other = make_namespace("other-model", geometry.dtype, geometry.block_tokens)
-    st2 = make_store(namespace=other, cold=make_cold(namespace=other))  # same directory, other model
+    st2 = make_store(namespace=other, cold=dict(namespace=other))  # same directory, other model
     assert st2.match_prefix(SYSTEM).num_tokens == 0 and st2.stats()["blocks"] == 0
 
 
@@ -177,7 +176,7 @@ class _SlowReads(FileIO):
 
 def test_readers_wait_for_a_migrating_block(make_store, make_cold):
     fio = _SlowReads()
-    st = make_store(hot=8, warm=0, cold=make_cold(file_io=fio))
+    st = make_store(hot=8, warm=0, cold=dict(file_io=fio))
     toks = list(range(8))
     keys = compute_blocks(st, "a", toks, 0, 2)
     st.release("a")
@@ -193,7 +192,7 @@ def test_readers_wait_for_a_migrating_block(make_store, make_cold):
         t.start()
     for t in threads:
         t.join(10)
-    for name, r in results.items():
+    for r in results.values():
         assert r.missing_from is None
         assert _values(st, r.slots) == [fill_value(k) for k in keys]
     assert results["r1"].slots == results["r2"].slots
@@ -240,7 +239,7 @@ def test_block_state_of_snapshot(make_store):
     st.demote(keys[:1], Tier.COLD)
     snap = {b.key: b for b in st.snapshot()}
     assert snap[keys[0]].tier is Tier.COLD and not snap[keys[0]].in_use
-    assert st._meta[keys[0]].state is BlockState.COLD
+    assert st._t.meta[keys[0]].state is BlockState.COLD
 
 
 def test_verify_repair_marks_cold_only_blocks_lost(make_store, tmp_path):
@@ -261,23 +260,30 @@ def test_verify_repair_marks_cold_only_blocks_lost(make_store, tmp_path):
     st.check_integrity()
 
 
-def test_from_config_builds_tiers_from_kv_section(tmp_path, geometry, namespace):
+def _config(tmp_path, **kv):
     import dataclasses
 
-    from kvagentd.config import KVConfig
-    from kvagentd.kvcache.store import from_config
+    from kvagentd.config import Config, KVConfig, MaintenanceConfig
+
+    return Config(kv=dataclasses.replace(KVConfig(), cold_dir=tmp_path / "c", **kv),
+                  maintenance=dataclasses.replace(MaintenanceConfig(), shadow_dir=tmp_path / "shm",
+                                                  shadow_bytes=1 << 22))
+
+
+def test_composition_root_builds_tiers_from_the_config(tmp_path, geometry, namespace):
+    from kvagentd.services import build_tiers
 
     bb = geometry.block_bytes
-    kv = dataclasses.replace(KVConfig(), hot_bytes=8 * bb, warm_ratio=0.5, cold_dir=tmp_path / "c",
-                             cold_capacity_bytes=1 << 22, segment_bytes=1 << 20, cold_codec="int8")
-    st = from_config(kv, geometry, namespace, "cpu")
+    cfg = _config(tmp_path, hot_bytes=8 * bb, warm_ratio=0.5, cold_capacity_bytes=1 << 22,
+                  segment_bytes=1 << 20, cold_codec="int8")
+    st = build_tiers(cfg, geometry, namespace, "cpu").store
     stats = st.stats()
     assert stats["tiers"]["hot"]["capacity"] == 8 and stats["tiers"]["warm"]["capacity"] == 4
     assert stats["tiers"]["cold"]["codec"] == "int8"
     compute_blocks(st, "a", list(range(8)), 0, 2)
     st.release("a")
     st.close()
-    st = from_config(kv, geometry, namespace, "cpu")
+    st = build_tiers(cfg, geometry, namespace, "cpu").store
     assert st.match_prefix(list(range(8))).num_tokens == 8
     r = st.ensure_resident(st.match_prefix(list(range(8))).keys, "a")
     got = [st.hot_arena()[s].flatten()[0].item() for s in r.slots]

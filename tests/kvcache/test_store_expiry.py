@@ -12,8 +12,8 @@ from .conftest import compute_blocks
 
 
 def test_expire_cold_forgets_only_idle_unpinned_cold_blocks(make_store, make_cold):
-    cold = make_cold(ttl_s=10.0)
-    st = make_store(hot=8, warm=8, cold=cold)
+    st = make_store(hot=8, warm=8, cold=dict(ttl_s=10.0))
+    cold = st.cold
     toks = list(range(16))
     keys = compute_blocks(st, "s", toks, 0, 4)
     st.release("s")
@@ -44,8 +44,8 @@ def test_expire_cold_forgets_only_idle_unpinned_cold_blocks(make_store, make_col
 
 
 def test_expire_cold_drops_orphan_records(make_store, make_cold, geometry):
-    cold = make_cold(ttl_s=10.0)
-    st = make_store(cold=cold)
+    st = make_store(cold=dict(ttl_s=10.0))
+    cold = st.cold
     orphan = b"\x01" * 16
     assert cold.put(orphan, torch.zeros(geometry.block_shape))
     assert st.expire_cold(time.time() + 60) == 0   # no block was forgotten ...

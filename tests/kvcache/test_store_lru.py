@@ -52,7 +52,7 @@ def test_choosing_victims_examines_only_the_victims(make_store):
     st = make_store(hot=n, warm=n)
     keys = compute_blocks(st, "s", list(range(4 * n)), 0, n)
     st.release("s")
-    lru = st._idle[Tier.HOT] = CountingLRU(st._idle[Tier.HOT])
+    lru = st._t.idle[Tier.HOT] = CountingLRU(st._t.idle[Tier.HOT])
     st.check_integrity()
     lru.examined = 0
     assert st.allocate_hot(2, "t") is not None
@@ -70,8 +70,8 @@ def test_integrity_check_catches_a_stale_idle_entry(make_store):
     st = make_store(hot=4, warm=4)
     keys = compute_blocks(st, "s", list(range(8)), 0, 2)
     with pytest.raises(IntegrityError):  # in use, yet listed idle
-        st._idle[Tier.HOT][keys[0]] = None
+        st._t.idle[Tier.HOT][keys[0]] = None
         st.check_integrity()
-    del st._idle[Tier.HOT][keys[0]]
+    del st._t.idle[Tier.HOT][keys[0]]
     st.release("s")
     st.check_integrity()

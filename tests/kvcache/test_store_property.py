@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvagentd.kvcache.base import KVGeometry, Tier
-from kvagentd.kvcache.coldstore import ColdStore
+from kvagentd.kvcache.cold.store import ColdStore
 from kvagentd.kvcache.keys import make_namespace
 from kvagentd.kvcache.store import TieredKVStore
 
@@ -28,10 +28,13 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="kvprop-")
-        self.cold = ColdStore(self.dir, GEOM, NS, capacity_bytes=1 << 22, segment_bytes=64 << 10,
-                              io_unit_bytes=4096)
         bb = GEOM.block_bytes
-        self.store = TieredKVStore(GEOM, NS, hot_bytes=4 * bb, warm_bytes=3 * bb, cold=self.cold)
+        self.store = TieredKVStore(
+            GEOM, NS, hot_bytes=4 * bb, warm_bytes=3 * bb,
+            cold=lambda listener: ColdStore(self.dir, GEOM, NS, capacity_bytes=1 << 22,
+                                            segment_bytes=64 << 10, io_unit_bytes=4096,
+                                            listener=listener))
+        self.cold = self.store.cold
         self.tokens: dict[str, list[int]] = {}
 
     def teardown(self) -> None:

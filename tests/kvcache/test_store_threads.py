@@ -35,7 +35,7 @@ class _FlakyReads(FileIO):
 
 @pytest.mark.parametrize("faults", [False, True])
 def test_concurrent_requests_moves_and_relocation(make_store, make_cold, faults):
-    cold = make_cold(file_io=_FlakyReads()) if faults else True
+    cold = dict(file_io=_FlakyReads()) if faults else True
     st = make_store(hot=6, warm=3, cold=cold)
     errors: list[str] = []
     stop = threading.Event()

@@ -141,7 +141,7 @@ def test_relocate_race_is_skipped_not_corrupting(store):
     plan = m.plan(Tier.HOT)
     # A block becomes busy after planning: relocate must skip it.
     src = plan.moves[0][0]
-    key = next(k for s, k in store._owners[Tier.HOT].items() if s == src)
+    key = next(k for s, k in store._t.owners[Tier.HOT].items() if s == src)
     store.ensure_resident([key], "late")
     res = dfr.apply_plan(store, Tier.HOT, plan, max_pause_s=0.1)
     assert res.skipped == 1 and res.moved == len(plan.moves) - 1

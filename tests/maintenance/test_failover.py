@@ -7,8 +7,8 @@ import errno
 import pytest
 import torch
 
-from kvagentd.maintenance.failover import FailoverError, ServingTier
-from kvagentd.maintenance.faults import FaultPlan, FaultyFileIO
+from kvagentd.kvcache.cold.failover import FailoverError, ServingTier
+from kvagentd.kvcache.cold.faults import FaultPlan, FaultyFileIO
 
 from .conftest import GEOM, block, key
 

@@ -7,7 +7,7 @@ import torch
 
 from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.store import TieredKVStore
-from kvagentd.maintenance.failover import ServingTier
+from kvagentd.kvcache.cold.failover import ServingTier
 
 from .conftest import GEOM, NS, block
 
@@ -28,11 +28,12 @@ def _tier(st, k):
 
 
 def test_warm_blocks_with_ssd_copies_survive_an_ssd_failure(tiers):
-    fo, fio = tiers()
     bb = GEOM.block_bytes
-    st = TieredKVStore(GEOM, NS, hot_bytes=8 * bb, warm_bytes=8 * bb, cold=fo,
+    st = TieredKVStore(GEOM, NS, hot_bytes=8 * bb, warm_bytes=8 * bb,
+                       cold=lambda listener: tiers(listener=listener)[0],
                        persist_on_shutdown=False)
-    assert fo.on_failover == st.on_cold_failover
+    fo, fio = st.cold, st.cold.file_io
+    assert fo.listener is st
     toks = list(range(6 * BT))
     keys = _compute(st, "s", toks, 0, 4)
     st.release("s")
@@ -78,10 +79,11 @@ def test_warm_blocks_with_ssd_copies_survive_an_ssd_failure(tiers):
 
 
 def test_dropped_blocks_also_drop_their_stale_ssd_records(tiers):
-    fo, fio = tiers()
     bb = GEOM.block_bytes
-    st = TieredKVStore(GEOM, NS, hot_bytes=4 * bb, warm_bytes=4 * bb, cold=fo,
+    st = TieredKVStore(GEOM, NS, hot_bytes=4 * bb, warm_bytes=4 * bb,
+                       cold=lambda listener: tiers(listener=listener)[0],
                        persist_on_shutdown=False)
+    fo = st.cold
     toks = list(range(2 * BT))
     keys = _compute(st, "s", toks, 0, 2)
     st.release("s")
@@ -97,16 +99,17 @@ def test_dropped_blocks_also_drop_their_stale_ssd_records(tiers):
 def test_a_failing_ssd_index_fails_over_and_loses_nothing(tiers):
     from tests.kvcache.test_coldstore_index_faults import FailingIndex
 
-    fo, fio = tiers()
     bb = GEOM.block_bytes
-    st = TieredKVStore(GEOM, NS, hot_bytes=4 * bb, warm_bytes=4 * bb, cold=fo,
+    st = TieredKVStore(GEOM, NS, hot_bytes=4 * bb, warm_bytes=4 * bb,
+                       cold=lambda listener: tiers(listener=listener)[0],
                        persist_on_shutdown=False)
+    fo = st.cold
     toks = list(range(3 * BT))
     keys = _compute(st, "s", toks, 0, 3)
     st.release("s")
     assert st.demote(keys[:1], Tier.COLD) == 1 and fo.primary.contains(keys[0])
     # the SSD fills up: its index refuses every write from now on
-    fo.primary._db = idx = FailingIndex(fo.primary._db, fail_on=("COMMIT", "INSERT", "UPDATE"))
+    fo.primary.index.db = idx = FailingIndex(fo.primary.index.db, fail_on=("COMMIT", "INSERT", "UPDATE"))
     idx.armed = True
     assert st.demote(keys[1:], Tier.COLD) == 2  # retried on the shadow
     assert fo.serving is ServingTier.SHADOW
@@ -123,10 +126,11 @@ def test_a_failing_ssd_index_fails_over_and_loses_nothing(tiers):
 
 
 def test_a_failover_during_a_demotion_keeps_the_block_resident(tiers):
-    fo, fio = tiers()
     bb = GEOM.block_bytes
-    st = TieredKVStore(GEOM, NS, hot_bytes=4 * bb, warm_bytes=4 * bb, cold=fo,
+    st = TieredKVStore(GEOM, NS, hot_bytes=4 * bb, warm_bytes=4 * bb,
+                       cold=lambda listener: tiers(listener=listener)[0],
                        persist_on_shutdown=False)
+    fo, fio = st.cold, st.cold.file_io
     toks = list(range(2 * BT))
     keys = _compute(st, "s", toks, 0, 2)
     st.release("s")

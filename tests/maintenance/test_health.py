@@ -130,6 +130,9 @@ class FakeCold:
     def stats(self):
         return {"io_errors": self.io_errors}
 
+    def compact(self, min_dead_ratio=0.5):
+        return 0
+
 
 class FakeStore:
     def __init__(self, rows):
@@ -224,7 +227,7 @@ def test_free_space_floor_on_a_real_cold_store_reclaims_disk(tmp_path):
     """Evicted records are compacted away, so the floor check actually frees disk."""
     import torch
 
-    from kvagentd.kvcache.coldstore import ColdStore
+    from kvagentd.kvcache.cold.store import ColdStore
 
     from .conftest import GEOM, NS, block, key
 

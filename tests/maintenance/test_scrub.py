@@ -8,8 +8,8 @@ import subprocess
 import pytest
 import torch
 
-from kvagentd.kvcache.coldstore import ColdStore
-from kvagentd.maintenance.failover import FailoverColdStore, ServingTier
+from kvagentd.kvcache.cold.store import ColdStore
+from kvagentd.kvcache.cold.failover import FailoverColdStore, ServingTier
 from kvagentd.maintenance.scrub import Scrubber
 
 from .conftest import GEOM, NS, block, key

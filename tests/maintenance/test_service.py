@@ -19,10 +19,11 @@ from kvagentd.control.handlers import maintenance as handlers
 from kvagentd.control.router import Router
 from kvagentd.control.server import ControlServer
 from kvagentd.kvcache.base import Tier
-from kvagentd.kvcache.store import TieredKVStore
 from kvagentd.maintenance import health
-from kvagentd.maintenance.failover import ServingTier
-from kvagentd.maintenance.service import JOB_IDS, Maintenance, build_cold_tier
+from kvagentd.kvcache.cold.failover import ServingTier
+from kvagentd.kvcache.cold import build_cold_tier
+from kvagentd.maintenance.service import JOB_IDS, Maintenance
+from kvagentd.services import build_tiers, cold_tier_spec
 from kvctl import cmd_maintenance
 
 from .conftest import GEOM, NS, block, key
@@ -48,9 +49,9 @@ def env():
             free_space_floor_bytes=0, health_interval_s=3600.0),
         control=dataclasses.replace(base.control, socket=d / "run" / "k.sock", socket_group="",
                                     operator_group=""))
-    cold_tier = build_cold_tier(cfg, GEOM, NS)
-    store = TieredKVStore(GEOM, NS, hot_bytes=128 * GEOM.block_bytes,
-                          warm_bytes=64 * GEOM.block_bytes, cold=cold_tier)
+    cfg = dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, hot_bytes=128 * GEOM.block_bytes,
+                                                          warm_ratio=0.5))
+    store, cold_tier = build_tiers(cfg, GEOM, NS)
     sched = BackgroundScheduler()
     sched.start()
     m = Maintenance(cfg, store, cold_tier, sched)
@@ -179,7 +180,7 @@ def test_debug_section_wraps_the_ssd_io(env, tmp_path):
                              kv=dataclasses.replace(cfg.kv, cold_dir=tmp_path / "c2"),
                              maintenance=dataclasses.replace(cfg.maintenance,
                                                              shadow_dir=tmp_path / "s2"))
-    tier = build_cold_tier(c2, GEOM, NS)
+    tier = build_cold_tier(cold_tier_spec(c2), GEOM, NS)
     try:
         assert type(tier.primary.io).__name__ == "FaultyFileIO"
         assert tier.put(key(1), block(1)) and tier.serving is ServingTier.SHADOW

@@ -72,7 +72,7 @@ def register(router: Router, daemon: Any) -> None:
 
     @router.route("POST", "/v1/failover/restore", change=True)
     def failover_restore(req: Request) -> dict[str, Any]:
-        from kvagentd.maintenance.failover import FailoverError
+        from kvagentd.kvcache.cold.failover import FailoverError
 
         try:
             return svc().failover_restore()

@@ -1,6 +1,6 @@
 """Shadow-partition failover of the cold tier.
 
-`FailoverColdStore` is the `ColdBackend` the store sees. It holds the SSD cold store (primary)
+`FailoverColdStore` is the `ColdTier` the store sees. It holds the SSD cold store (primary)
 and a size-capped cold store of the same format in `maintenance.shadow_dir` (tmpfs). It serves
 cold writes from one of them:
 
@@ -13,9 +13,9 @@ cold writes from one of them:
 - While on the shadow, new writes go to the shadow; reads look in the shadow first, then on the
   SSD: a block on the failing SSD either reads and verifies, or is reported missing (the engine
   recomputes it). Nothing is deleted from the SSD by failing over.
-- `on_failover()` (the store's `on_cold_failover`, set by the store) is called after every
-  switch to the shadow caused by a fault: cold copies made on the SSD may be unreadable now,
-  so the store writes hot and warm blocks again when it demotes them.
+- the listener's `cold_failed_over()` (the store) is called after every switch to the shadow
+  caused by a fault: cold copies made on the SSD may be unreadable now, so the store writes
+  hot and warm blocks again when it demotes them.
 - restore (an operator, or `failback_good_probes` consecutive good probes of the SSD): every
   shadow record is read, written to the SSD and only then deleted from the shadow; a failure
   stops the restore and keeps serving from the shadow. So no committed block is lost.
@@ -30,13 +30,16 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import structlog
 import torch
 
-from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdBackend, KVGeometry
-from kvagentd.kvcache.fileio import FileIO
+from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdEntry, ColdListener, KVGeometry
+from kvagentd.kvcache.cold.store import ColdStore
+from kvagentd.kvcache.fileio import FileIO, FileOps
+from kvagentd.kvcache.transitions import check_transition
 
 log = structlog.get_logger(__name__)
 
@@ -60,31 +63,31 @@ class FailoverError(RuntimeError):
     """A restore could not complete (the SSD is still failing); the shadow keeps serving."""
 
 
-class IllegalTransition(RuntimeError):
-    pass
-
-
-def _io_errors(backend: Any) -> int:
+def _io_errors(store: ColdStore) -> int:
     """Faults a cold store has counted: read I/O errors plus failed writes (EIO, ENOSPC, EROFS)."""
-    st = backend.stats()
-    if not isinstance(st, dict):
-        return 0
-    return int(st.get("io_errors", 0) or 0) + int(st.get("write_failures", 0) or 0)
+    c = store.counters
+    return c["io_errors"] + c["write_failures"]
 
 
-class FailoverColdStore(ColdBackend):
+class FailoverColdStore:
     """Cold tier = SSD `primary` with a `shadow` stand-in; see the module docstring.
 
     `file_io` is the primary's file-operation object (probes go through it so that injected or
-    real faults show); `probe_dir` the primary's directory.
+    real faults show); `probe_dir` the primary's directory; `listener` hears of failovers
+    (the primary and the shadow report their own evictions to it).
     """
 
-    def __init__(self, primary: ColdBackend, shadow: ColdBackend, geometry: KVGeometry, *,
-                 probe_dir: Path, file_io: Any = None, failback_good_probes: int = 3,
-                 shadow_capacity_bytes: int = 0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, primary: ColdStore, shadow: ColdStore, geometry: KVGeometry, *,
+                 probe_dir: Path, file_io: FileOps | None = None, failback_good_probes: int = 3,
+                 shadow_capacity_bytes: int = 0, clock: Callable[[], float] = time.time,
+                 listener: ColdListener | None = None) -> None:
+        if primary.namespace != shadow.namespace:
+            raise ValueError("the SSD store and its shadow hold different namespaces")
         self.primary, self.shadow, self.geometry = primary, shadow, geometry
+        self.namespace = primary.namespace
+        self.listener = listener
         self.probe_dir = Path(probe_dir)
-        self.file_io = file_io if file_io is not None else FileIO()
+        self.file_io: FileOps = file_io if file_io is not None else FileIO()
         self.failback_good_probes = failback_good_probes
         self.shadow_capacity_bytes = shadow_capacity_bytes
         self.clock = clock
@@ -97,7 +100,6 @@ class FailoverColdStore(ColdBackend):
         self.failovers = 0
         self.failbacks = 0
         self.restored_blocks = 0
-        self.on_failover: Callable[[], object] | None = None
         self._errors_seen = _io_errors(primary)
         self._wear_read_only = bool(primary.read_only)
         if shadow.keys():
@@ -108,8 +110,7 @@ class FailoverColdStore(ColdBackend):
     # ---- state ---------------------------------------------------------------------------
     def _set(self, new: ServingTier, reason: str) -> None:
         with self._lock:
-            if new not in _TRANSITIONS[self.state]:
-                raise IllegalTransition(f"{self.state.value} -> {new.value}")
+            check_transition(_TRANSITIONS, self.state, new, "cold tier serving")
             old, self.state = self.state, new
             self.since, self.reason = self.clock(), reason
             self.good_probes = 0
@@ -134,12 +135,11 @@ class FailoverColdStore(ColdBackend):
 
     def _notify_failover(self) -> None:
         """Tell the store that SSD copies are no longer to be relied on (no lock held)."""
-        fn = self.on_failover
-        if fn is None:
+        if self.listener is None:
             return
         try:
-            fn()
-        except Exception:  # the failover itself has happened; a hook bug must not undo it
+            self.listener.cold_failed_over()
+        except Exception:  # the failover itself has happened; a listener bug must not undo it
             log.exception("cold_failover_hook_failed")
 
     def _primary_faulted(self) -> bool:
@@ -150,23 +150,10 @@ class FailoverColdStore(ColdBackend):
             self._errors_seen = n
         return new
 
-    # ---- ColdBackend ---------------------------------------------------------------------
+    # ---- ColdTier ------------------------------------------------------------------------
     def put(self, key: BlockKey, block: torch.Tensor, *, session: str = "",
             num_tokens: int = 0) -> bool:
-        if self.state is not ServingTier.SHADOW:
-            try:
-                if self.primary.put(key, block, session=session, num_tokens=num_tokens):
-                    return True
-                fault = self._primary_faulted()
-                reason = "cold write failed on the SSD"
-            except (OSError, sqlite3.Error) as exc:
-                # NOTE: the SSD store's SQLite index lives on the same disk; a full or failing
-                # disk can surface as sqlite3.OperationalError from its commit.
-                fault, reason = True, f"cold write failed on the SSD: {exc}"
-            if not fault:
-                return False  # full or read-only: an expected outcome, not a failure
-            self.activate(reason)
-        return self.shadow.put(key, block, session=session, num_tokens=num_tokens)
+        return self.put_many([key], [block], session=session, num_tokens=num_tokens)[0]
 
     def read_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
         result = [False] * len(keys)
@@ -231,7 +218,6 @@ class FailoverColdStore(ColdBackend):
             return 0
         return self.primary.compact(min_dead_ratio)
 
-    # ---- the rest of the ColdStore surface the store uses --------------------------------
     def set_read_only(self, flag: bool) -> None:
         """Wear limit reached (or cleared): the SSD takes no new records; not a failover."""
         self._wear_read_only = flag
@@ -241,23 +227,10 @@ class FailoverColdStore(ColdBackend):
     def read_only(self) -> bool:
         return self.primary.read_only and self.state is ServingTier.SSD
 
-    @read_only.setter
-    def read_only(self, flag: bool) -> None:
-        self.set_read_only(flag)
-
-    @property
-    def on_evict(self) -> Callable[[list[BlockKey]], None] | None:
-        return self.primary.on_evict
-
-    @on_evict.setter
-    def on_evict(self, fn: Callable[[list[BlockKey]], None] | None) -> None:
-        self.primary.on_evict = fn
-        self.shadow.on_evict = fn
-
     @property
     def ttl_s(self) -> float:
         """The cold TTL (the SSD store's; the shadow uses the same configuration)."""
-        return float(getattr(self.primary, "ttl_s", 0.0))
+        return self.primary.ttl_s
 
     @property
     def bytes_used(self) -> int:
@@ -292,7 +265,7 @@ class FailoverColdStore(ColdBackend):
         self.shadow.touch(keys, now)
         self.primary.touch(keys, now)
 
-    def entries(self) -> list[tuple[BlockKey, float, str]]:
+    def entries(self) -> list[ColdEntry]:
         seen = {e[0]: e for e in self.primary.entries()}
         seen.update({e[0]: e for e in self.shadow.entries()})
         return list(seen.values())
@@ -311,21 +284,14 @@ class FailoverColdStore(ColdBackend):
             out[s] = list(dict.fromkeys(out.get(s, []) + ks))
         return out
 
-    def shadow_bytes_used(self) -> int:
-        st = self.shadow.stats()
-        for name in ("bytes", "used_bytes", "live_bytes", "bytes_used"):
-            if isinstance(st.get(name), int):
-                return int(st[name])
-        return len(self.shadow.keys()) * self.geometry.block_bytes
-
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> dict[str, Any]:
         p, s = self.primary.stats(), self.shadow.stats()
         return {**{k: v for k, v in p.items() if k != "io_errors"},
                 "io_errors": _io_errors(self.primary) + _io_errors(self.shadow),
                 "failover": self.status(), "primary": p, "shadow": s}
 
     def status(self) -> dict[str, Any]:
-        used = self.shadow_bytes_used()
+        used = self.shadow.bytes_used
         cap = self.shadow_capacity_bytes
         return {"serving": self.state.value, "since": self.since, "reason": self.reason,
                 "shadow_blocks": len(self.shadow.keys()), "shadow_bytes": used,
@@ -408,9 +374,9 @@ class FailoverColdStore(ColdBackend):
                     if not self.shadow.read_into([b.key], [buf])[0]:
                         continue  # unreadable in the shadow: it was lost there, counted there
                     try:
-                        ok = self.primary.contains(b.key) or self.primary.put(
-                            b.key, buf, session=b.sessions[0] if b.sessions else "",
-                            num_tokens=self.geometry.block_tokens)
+                        ok = self.primary.contains(b.key) or self.primary.put_many(
+                            [b.key], [buf], session=b.sessions[0] if b.sessions else "",
+                            num_tokens=self.geometry.block_tokens)[0]
                     except (OSError, sqlite3.Error) as exc:
                         ok = False
                         if self.state is ServingTier.RESTORING:

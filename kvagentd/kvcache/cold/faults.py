@@ -1,8 +1,8 @@
-"""Storage fault injection around the cold store's `file_io` (tests, drills, the soak).
+"""Storage fault injection around the cold store's file operations (tests, drills, the soak).
 
-`FaultyFileIO(inner, plan)` forwards every file operation to `inner` (by default the cold
-store's `kvagentd.kvcache.fileio.FileIO`, the real `os` calls) and, per `FaultPlan`, makes it
-fail the way a dying SSD does:
+`FaultyFileIO(inner, plan)` implements `FileOps` by forwarding every operation to `inner` (by
+default `FileIO`, the real `os` calls) and, per `FaultPlan`, makes it fail the way a dying SSD
+does:
 - `read_eio_rate` / `write_eio_rate`: reads / writes (and fsyncs) raise EIO with that probability;
 - `enospc`: every write raises ENOSPC; `erofs`: every write, fsync, truncate, rename, unlink
   and every open for writing raises EROFS;
@@ -10,10 +10,8 @@ fail the way a dying SSD does:
   it reports full success instead, as after a power cut; the record's checksum catches it);
 - `latency_s`: every operation sleeps first.
 The plan can be swapped at run time (`set(...)`, `clear()`); `counts` tells what was injected.
-Seeded: the same seed and operation sequence inject the same faults.
-
-`from_debug_config(cfg.debug)` builds the plan of the `[debug]` config section (all off by
-default, in which case the cold store gets the plain `file_io`).
+Seeded: the same seed and operation sequence inject the same faults. The daemon builds the plan
+from its `[debug]` config section (all off by default: the cold store gets plain `FileIO`).
 """
 
 from __future__ import annotations
@@ -25,18 +23,18 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from kvagentd.config import DebugConfig
-from kvagentd.kvcache.fileio import FileIO
+from kvagentd.kvcache.fileio import FileIO, FileOps
 
-READ_OPS = frozenset({"pread", "read", "preadv", "readv", "readinto"})
-WRITE_OPS = frozenset({"pwrite", "write", "pwritev", "writev"})
-SYNC_OPS = frozenset({"fsync", "fdatasync", "sync_file_range"})
-META_WRITE_OPS = frozenset({"ftruncate", "truncate", "fallocate", "posix_fallocate", "rename",
-                            "replace", "unlink", "remove", "mkdir", "makedirs", "link",
-                            "symlink", "write_bytes", "write_text"})
+T = TypeVar("T")
+
+READ_OPS = frozenset({"preadv"})
+WRITE_OPS = frozenset({"pwrite"})
+SYNC_OPS = frozenset({"fsync"})
+META_WRITE_OPS = frozenset({"rename", "unlink", "makedirs"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
@@ -56,21 +54,18 @@ class FaultPlan:
                     self.torn_write_rate, self.latency_s))
 
 
-def from_debug_config(d: DebugConfig) -> FaultPlan:
-    return FaultPlan(read_eio_rate=d.fault_read_eio_rate, write_eio_rate=d.fault_write_eio_rate,
-                     enospc=d.fault_enospc, erofs=d.fault_erofs,
-                     torn_write_rate=d.fault_torn_write_rate, latency_s=d.fault_latency_s)
-
-
 def _err(code: int, op: str) -> OSError:
     return OSError(code, f"{os.strerror(code)} (injected on {op})")
 
 
 class FaultyFileIO:
-    """A `file_io` that injects faults into `inner`'s operations. Thread-safe."""
+    """`FileOps` that injects faults into `inner`'s operations. Thread-safe."""
 
-    def __init__(self, inner: Any = None, plan: FaultPlan | None = None, *, seed: int = 0) -> None:
-        self.inner = FileIO() if inner is None else inner
+    O_DIRECT = FileIO.O_DIRECT
+
+    def __init__(self, inner: FileOps | None = None, plan: FaultPlan | None = None, *,
+                 seed: int = 0) -> None:
+        self.inner: FileOps = FileIO() if inner is None else inner
         self.plan = plan or FaultPlan()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -104,14 +99,11 @@ class FaultyFileIO:
         is_write = op in WRITE_OPS
         mutates = is_write or op in SYNC_OPS or op in META_WRITE_OPS
         if op == "open":
-            flags = args[1] if len(args) > 1 else kwargs.get("flags", os.O_RDONLY)
-            mode = args[1] if len(args) > 1 and isinstance(args[1], str) else kwargs.get("mode", "")
-            mutates = (isinstance(flags, int) and bool(flags & _WRITE_FLAGS)) or (
-                isinstance(mode, str) and any(c in mode for c in "wax+"))
+            mutates = bool(int(args[1]) & _WRITE_FLAGS)
         if p.erofs and mutates:
             self._count("erofs")
             raise _err(errno.EROFS, op)
-        if p.enospc and (is_write or op in ("fallocate", "posix_fallocate")):
+        if p.enospc and is_write:
             self._count("enospc")
             raise _err(errno.ENOSPC, op)
         if op in READ_OPS and self._roll(p.read_eio_rate):
@@ -136,17 +128,40 @@ class FaultyFileIO:
             return len(view)
         raise _err(errno.EIO, f"{op} (torn after {cut} of {len(view)} bytes)")
 
-    def __getattr__(self, name: str) -> Any:
-        target = getattr(self.inner, name)
-        if not callable(target):
-            return target
+    def _call(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        self._before(op, args, {})
+        return fn(*args)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self._before(name, args, kwargs)
-            if (name in ("pwrite", "write") and len(args) >= 2
-                    and self._roll(self.plan.torn_write_rate)):
-                return self._torn(name, target, args, kwargs)
-            return target(*args, **kwargs)
+    # ---- FileOps -------------------------------------------------------------------------
+    def open(self, path: str, flags: int, mode: int = 0o640) -> int:
+        return self._call("open", self.inner.open, path, flags, mode)
 
-        call.__name__ = name
-        return call
+    def close(self, fd: int) -> None:
+        self._call("close", self.inner.close, fd)
+
+    def pwrite(self, fd: int, data: memoryview | bytes, offset: int) -> int:
+        self._before("pwrite", (fd, data, offset), {})
+        if self._roll(self.plan.torn_write_rate):
+            return int(self._torn("pwrite", self.inner.pwrite, (fd, data, offset), {}))
+        return self.inner.pwrite(fd, data, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return self._call("preadv", self.inner.preadv, fd, buffers, offset)
+
+    def fsync(self, fd: int) -> None:
+        self._call("fsync", self.inner.fsync, fd)
+
+    def fsync_dir(self, path: str) -> None:
+        self._call("fsync_dir", self.inner.fsync_dir, path)
+
+    def unlink(self, path: str) -> None:
+        self._call("unlink", self.inner.unlink, path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._call("rename", self.inner.rename, src, dst)
+
+    def size(self, path: str) -> int:
+        return self._call("size", self.inner.size, path)
+
+    def makedirs(self, path: str) -> None:
+        self._call("makedirs", self.inner.makedirs, path)

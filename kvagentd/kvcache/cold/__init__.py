@@ -1,0 +1,11 @@
+"""The cold tier: checksummed records in append-only segment files with a SQLite index
+(`ColdStore`), the /dev/shm shadow failover pair (`FailoverColdStore`), fault injection and
+the builder. See `kvagentd.kvcache.base.ColdTier` for the contract."""
+
+from kvagentd.kvcache.cold.build import ColdTierSpec, build_cold_tier
+from kvagentd.kvcache.cold.failover import FailoverColdStore, FailoverError, ServingTier
+from kvagentd.kvcache.cold.faults import FaultPlan, FaultyFileIO
+from kvagentd.kvcache.cold.store import ColdStore
+
+__all__ = ["ColdStore", "ColdTierSpec", "FailoverColdStore", "FailoverError", "FaultPlan",
+           "FaultyFileIO", "ServingTier", "build_cold_tier"]

@@ -1,0 +1,372 @@
+"""`ColdStore`: one directory of append-only, checksummed segment files plus one SQLite index,
+behind the `ColdTier` contract (kvcache/base.py).
+
+The parts: the record format (`record.py`), the index (`index.py`), the segment files
+(`segments.py`), the writer (`writer.py`: append, sync, then commit rows) and the batched
+reader (`reader.py`). This facade adds capacity (eviction to stay under `capacity_bytes`),
+TTL bookkeeping, compaction and the scrub, and turns every storage fault into a counted,
+returned outcome: `put_many` returns False for a record it could not store, `read_into`
+False for one it could not read and verify. `bytes_used` is recomputed from the index on open.
+
+Thread-safe: reads are serialized with each other (they share buffers), and so are writes;
+compaction holds both.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdEntry, ColdListener, KVGeometry, Tier
+from kvagentd.kvcache.codec import CODECS
+from kvagentd.kvcache.cold.index import ColdIndex
+from kvagentd.kvcache.cold.reader import SegmentReader
+from kvagentd.kvcache.cold.record import DTYPE_CODES, RecordRow
+from kvagentd.kvcache.cold.segments import SegmentFiles
+from kvagentd.kvcache.cold.writer import Blocks, SegmentWriter
+from kvagentd.kvcache.fileio import FileIO, FileOps
+
+log = structlog.get_logger(__name__)
+
+
+class ColdStore:
+    """Checksummed block records in `directory` for one `geometry` and `namespace`.
+
+    Rows of other namespaces stay on disk (they count towards capacity and are evicted first)
+    but are never returned. `codec` is used for new records; existing records decode with the
+    codec named in their header. `file_io` holds the OS file operations. `io_threads`:
+    sequential reads in flight per batched read (the queue depth the SSD sees), each into its
+    own read buffer of `read_batch_bytes`. `listener` hears of records evicted for capacity.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], geometry: KVGeometry, namespace: bytes,
+                 *, codec: str = "raw", capacity_bytes: int = 1 << 30,
+                 segment_bytes: int = 256 << 20, io_unit_bytes: int = 128 << 10,
+                 o_direct: bool = True, file_io: FileOps | None = None, ttl_s: float = 3600.0,
+                 read_batch_bytes: int = 8 << 20, read_only: bool = False,
+                 listener: ColdListener | None = None, io_threads: int = 1) -> None:
+        if geometry.dtype not in DTYPE_CODES:
+            raise ValueError(f"unsupported KV dtype {geometry.dtype}")
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}")
+        self.directory = Path(directory)
+        self.geometry = geometry
+        self.namespace = namespace
+        self.codec_name = codec
+        self.capacity_bytes = int(capacity_bytes)
+        self.ttl_s = float(ttl_s)
+        self.io: FileOps = file_io if file_io is not None else FileIO()
+        self.listener = listener
+        self._read_only = read_only
+        self.counters = dict(reads=0, read_bytes=0, corrupt=0, missing=0, io_errors=0,
+                             writes=0, write_bytes=0, write_failures=0, evicted=0,
+                             compacted_bytes=0, retired_segments=0)
+        self.files = SegmentFiles(self.directory, self.io, o_direct=o_direct)
+        self.index = ColdIndex(self.directory, namespace, self.io)
+        codec_obj = CODECS[codec](geometry)
+        self.writer = SegmentWriter(self.files, self.index, geometry, namespace, codec_obj,
+                                    segment_bytes=segment_bytes, io_unit_bytes=io_unit_bytes,
+                                    buffer_bytes=read_batch_bytes, counters=self.counters)
+        self.reader = SegmentReader(self.files, geometry, namespace,
+                                    record_len=self.writer.rec, buffer_bytes=read_batch_bytes,
+                                    io_threads=io_threads, counters=self.counters,
+                                    on_io_error=self.writer.retire)
+        self._closed = False
+
+    # -- properties --------------------------------------------------------------------------
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    @read_only.setter
+    def read_only(self, value: bool) -> None:
+        """Stop (True) or resume (False) writes; reads continue either way."""
+        if value != self._read_only:
+            log.warning("cold_read_only", directory=str(self.directory), read_only=value)
+        self._read_only = bool(value)
+
+    def set_read_only(self, flag: bool) -> None:
+        self.read_only = flag
+
+    @property
+    def bytes_used(self) -> int:
+        return self.index.bytes_used
+
+    @property
+    def record_bytes(self) -> int:
+        return self.writer.rec
+
+    @property
+    def o_direct_active(self) -> bool:
+        return self.files.o_direct_active
+
+    @property
+    def io_threads(self) -> int:
+        return self.reader.io_threads
+
+    # -- writing -----------------------------------------------------------------------------
+    def put(self, key: BlockKey, block: torch.Tensor, *, session: str = "",
+            num_tokens: int = 0) -> bool:
+        return self.put_many([key], [block], session=session, num_tokens=num_tokens)[0]
+
+    def put_many(self, keys: Sequence[BlockKey], blocks: Blocks, *, session: str = "",
+                 num_tokens: int = 0) -> list[bool]:
+        """Store blocks durably: write all, sync, then commit their rows. Keys already present
+        are left as they are (True). False: read-only, full, or an I/O error (counted)."""
+        n = len(keys)
+        if n == 0:
+            return []
+        if self._read_only:
+            return [False] * n
+        todo: list[int] = []
+        with self.writer.lock:
+            try:
+                present = self.index.present(keys)
+                todo = [i for i in range(n) if keys[i] not in present]
+                if not todo:
+                    return [True] * n
+                if not self._make_room(len(todo) * self.writer.rec):
+                    self.counters["write_failures"] += len(todo)
+                    return [keys[i] in present for i in range(n)]
+                self.writer.put(keys, blocks, todo, session=session, num_tokens=num_tokens)
+            except OSError as exc:
+                return self._put_failed(keys, todo, exc)
+            except sqlite3.Error as exc:
+                self.index.failed("put", exc)
+                return self._put_failed(keys, None, None)
+        self.counters["writes"] += len(todo)
+        self.counters["write_bytes"] += len(todo) * self.writer.rec
+        return [True] * n
+
+    def _put_failed(self, keys: Sequence[BlockKey], todo: list[int] | None,
+                    exc: OSError | None) -> list[bool]:
+        """After a failed write: what the index holds is stored, the rest failed (counted);
+        their segment bytes are unindexed garbage."""
+        try:
+            done = self.index.present(keys)
+        except sqlite3.Error:
+            done = set()
+        ok = [k in done for k in keys]
+        failed = ok.count(False)
+        self.counters["write_failures"] += failed
+        if todo is not None:
+            self.counters["writes"] += sum(1 for i in todo if ok[i])
+        if exc is not None:
+            self.writer.failed(exc, on_read_only=lambda: self.set_read_only(True))
+            log.error("cold_write_failed", errno=exc.errno, error=str(exc), blocks=failed)
+        return ok
+
+    def _make_room(self, need: int) -> bool:
+        """Evict until `need` more bytes fit: other namespaces, then expired (TTL), then the
+        least recently accessed. The listener hears which of this namespace's records went."""
+        with self.index.lock:
+            if self.index.bytes_used + need <= self.capacity_bytes:
+                return True
+            if need > self.capacity_bytes:
+                return False
+            victims, free = [], self.capacity_bytes - self.index.bytes_used
+            for key, length in self.index.eviction_order(self.ttl_s, time.time()):
+                if free >= need:
+                    break
+                victims.append(key)
+                free += length
+            self.index.delete_rows(victims)
+            self.counters["evicted"] += len(victims)
+        if self.listener is not None and victims:
+            self.listener.cold_evicted(victims)
+        log.info("cold_evicted", blocks=len(victims), need=need)
+        return True
+
+    # -- reading -----------------------------------------------------------------------------
+    def read_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Read, verify and decode each record into its CPU tensor (see `SegmentReader`)."""
+        ok = [False] * len(keys)
+        try:
+            rows = self.index.rows(keys)
+        except sqlite3.Error as exc:
+            self.index.failed("read", exc)
+            self.counters["io_errors"] += len(keys)
+            return ok
+        todo: list[tuple[int, RecordRow]] = []
+        for i, k in enumerate(keys):
+            r = rows.get(k)
+            if r is None:
+                self.counters["missing"] += 1
+            else:
+                todo.append((i, r))
+        todo.sort(key=lambda it: (it[1].segment, it[1].offset))
+        done = self.reader.read_into(todo, outs, ok)
+        if done:
+            self.index.defer_touch(done, time.time())
+        return ok
+
+    # -- the index -----------------------------------------------------------------------------
+    def contains(self, key: BlockKey) -> bool:
+        return self.index.contains(key)
+
+    def keys(self) -> list[BlockKey]:
+        return self.index.keys()
+
+    def entries(self) -> list[ColdEntry]:
+        return self.index.entries()
+
+    def delete(self, keys: Iterable[BlockKey]) -> int:
+        """Drop records from the index (space is reclaimed by `compact`). An index that
+        refuses the write keeps the records (0, counted): they stay valid, only unreferenced."""
+        try:
+            return self.index.delete_rows(list(keys))
+        except sqlite3.Error as exc:
+            self.index.failed("delete", exc)
+            return 0
+
+    def evict(self, keys: Sequence[BlockKey]) -> int:
+        n = self.delete(keys)
+        self.counters["evicted"] += n
+        return n
+
+    def expired(self, now: float | None = None) -> list[BlockKey]:
+        """Keys whose TTL (refreshed on every read) has run out."""
+        return self.index.expired(self.ttl_s, time.time() if now is None else now)
+
+    def touch(self, keys: Sequence[BlockKey], now: float | None = None) -> None:
+        """Refresh the TTL of records now. Never raises (a refused update is counted)."""
+        self.index.defer_touch(keys, time.time() if now is None else now, flush=True)
+
+    def save_refs(self, refs: dict[str, Iterable[BlockKey]]) -> None:
+        """Replace the stored session -> keys map (only keys that have a record are kept)."""
+        try:
+            self.index.save_refs(refs)
+        except sqlite3.Error as exc:  # the previous map stays; counts may be stale
+            self.index.failed("save_refs", exc)
+
+    def load_refs(self) -> dict[str, list[BlockKey]]:
+        return self.index.load_refs()
+
+    def snapshot(self) -> list[BlockInfo]:
+        refs: dict[bytes, list[str]] = {}
+        for s, ks in self.load_refs().items():
+            for k in ks:
+                refs.setdefault(k, []).append(s)
+        return [BlockInfo(k, Tier.COLD, False, False, tuple(refs.get(k, ())), la, ln)
+                for k, la, ln in self.index.usage()]
+
+    # -- maintenance ---------------------------------------------------------------------------
+    def compact(self, min_dead_ratio: float = 0.5) -> int:
+        """Rewrite the live records of non-active segments whose dead share is at least
+        `min_dead_ratio` (and of retired segments) into the active segment, then delete those
+        files. Returns bytes reclaimed. Unreadable records are dropped and counted."""
+        reclaimed = 0
+        with self.writer.lock, self.files.read_lock:
+            try:
+                for seg, state, size, live in self.index.segment_use():
+                    if state != "retired" and size and (size - live) / size < min_dead_ratio:
+                        continue
+                    if live and self._read_only:
+                        continue
+                    if live and not self._move_live(seg):
+                        continue
+                    self.files.close_read_fd(seg)
+                    try:
+                        reclaimed += self.io.size(self.files.path(seg))
+                        self.io.unlink(self.files.path(seg))
+                    except FileNotFoundError:
+                        pass
+                    except OSError as exc:
+                        log.warning("cold_unlink_failed", segment=seg, error=str(exc))
+                        continue
+                    self.index.drop_segment(seg)
+            except sqlite3.Error as exc:  # a full disk: what was moved stays consistent
+                self.index.failed("compact", exc)
+        self.counters["compacted_bytes"] += reclaimed
+        return reclaimed
+
+    def _move_live(self, seg: int) -> bool:
+        """Copy the verified live records of `seg` to the write position; caller holds the
+        writer lock and the read lock."""
+        for r in self.index.segment_rows(seg):
+            if r.length > self.writer.max_copy_bytes:
+                return False
+            got, buf = self.reader.read_one(r)
+            if isinstance(got, OSError) or got < r.length or isinstance(self.reader.check(buf, 0, r), str):
+                self.counters["corrupt"] += 1
+                self.index.delete_rows([r.key])
+                continue
+            try:
+                self.writer.copy(r.key, memoryview(buf)[:r.length])
+            except OSError as exc:
+                log.error("cold_compact_write_failed", error=str(exc))
+                seg_now = self.writer.active_segment
+                if seg_now is not None:
+                    self.writer.retire(seg_now, f"write: {exc.strerror or exc}")
+                return False
+        return True
+
+    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
+        """Scrub: read and check every record of this namespace. `missing`: its segment file
+        is absent or short; `corrupt`: checksum / header mismatch or I/O error. `repair`
+        drops both kinds from the index, each only while its row still points where it was
+        read (a record compaction moved meanwhile is kept). Rate-limited when asked."""
+        checked = corrupt = missing = nbytes = 0
+        bad: dict[bytes, RecordRow] = {}
+        t0 = time.monotonic()
+        for r in self.index.segment_rows(None):
+            with self.files.read_lock:
+                if not os.path.exists(self.files.path(r.segment)):
+                    missing += 1
+                    bad[r.key] = r
+                    continue
+                got, buf = self.reader.read_one(r)
+                checked += 1
+                if isinstance(got, OSError):
+                    corrupt += 1
+                    bad[r.key] = r
+                elif got < r.length:
+                    missing += 1
+                    bad[r.key] = r
+                elif isinstance(self.reader.check(buf, 0, r), str):
+                    corrupt += 1
+                    bad[r.key] = r
+                    log.error("cold_checksum_failed", key=r.key.hex(), segment=r.segment,
+                              reason="scrub")
+            nbytes += r.length
+            if rate_bytes_per_s:
+                ahead = nbytes / rate_bytes_per_s - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+        repaired = 0
+        if repair and bad:
+            try:
+                repaired = self.index.delete_rows(list(bad), if_at=bad)
+            except sqlite3.Error as exc:
+                self.index.failed("verify", exc)
+        self.counters["corrupt"] += corrupt
+        return {"checked": checked, "corrupt": corrupt, "missing": missing, "repaired": repaired,
+                "bytes": nbytes}
+
+    def stats(self) -> dict[str, Any]:
+        n = self.index.count()
+        segs, disk = self.index.segment_counts()
+        used = self.index.bytes_used
+        return {"directory": str(self.directory), "blocks": n, "bytes_used": used,
+                "live_bytes": used, "dead_bytes": max(0, disk - used), "disk_bytes": disk,
+                "capacity_bytes": self.capacity_bytes, "codec": self.codec_name,
+                "read_only": self._read_only, "o_direct": self.files.o_direct_active,
+                "segments": segs, **self.counters, "index_errors": self.index.errors,
+                "touch_dropped": self.index.touch_dropped}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self.writer.lock, self.files.read_lock:
+            self.reader.close()
+            self.writer.close()
+            self.files.close_read_fds()
+            self.index.close()

@@ -1,0 +1,166 @@
+"""The block table: everything the store knows about its blocks, and who holds them.
+
+One owner lock (a Condition, `cond`) guards it all; every method here expects the caller to
+hold it. Readers of a MIGRATING block wait on `cond` (`wait_settled`).
+
+- `meta`: key -> `BlockMeta` (state, slot, pins, users, sessions, last access).
+- `owners`: per pool, slot -> key of the block that lives there.
+- `idle`: per pool, an LRU (`OrderedDict`) of its idle blocks: settled in that pool, unused
+  and unpinned. A block enters at the most-recent end when it is accessed, released, unpinned
+  or arrives in the tier, and leaves when it is used, pinned, moved or freed, so choosing
+  victims costs O(victims), not O(blocks).
+- `leases`: the use-references and private hot slots of running requests (`Leases`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from kvagentd.kvcache.base import BlockInfo, BlockKey, Tier
+from kvagentd.kvcache.leases import Leases
+from kvagentd.kvcache.pool import BlockPool
+from kvagentd.kvcache.state import BlockMeta, BlockState, IntegrityError, transition
+
+POOL_TIERS = (Tier.HOT, Tier.WARM)
+_POOL_OF_STATE = {BlockState.HOT: Tier.HOT, BlockState.WARM: Tier.WARM}
+
+
+class BlockTable:
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.meta: dict[BlockKey, BlockMeta] = {}
+        self.owners: dict[Tier, dict[int, BlockKey]] = {t: {} for t in POOL_TIERS}
+        self.idle: dict[Tier, OrderedDict[BlockKey, None]] = {t: OrderedDict() for t in POOL_TIERS}
+        self.leases = Leases()
+
+    def touch(self, m: BlockMeta) -> None:
+        """Call after any change of `m`'s state, users, pins or last access: `m` is in its
+        pool's idle LRU iff settled in hot or warm, unused and unpinned; (re)entering puts it
+        at the most-recent end."""
+        for lru in self.idle.values():
+            lru.pop(m.key, None)
+        t = m.tier
+        if t is not None and t in self.idle and m.users == 0 and m.pins == 0:
+            self.idle[t][m.key] = None
+
+    def wait_settled(self, key: BlockKey) -> BlockMeta | None:
+        """The block's metadata once it is not MIGRATING (waits on `cond`)."""
+        m = self.meta.get(key)
+        while m is not None and m.state is BlockState.MIGRATING:
+            self.cond.wait()
+            m = self.meta.get(key)
+        return m
+
+    def hold(self, session: str, m: BlockMeta) -> None:
+        """A use-reference of `session` on `m` (released by `unhold` or `release`)."""
+        m.users += 1
+        self.leases.hold(session, m.key)
+        self.touch(m)
+
+    def unhold(self, session: str, m: BlockMeta) -> None:
+        self.leases.unhold(session, m.key)
+        m.users -= 1
+        self.touch(m)
+
+    def forget(self, m: BlockMeta, pools: dict[Tier, BlockPool]) -> None:
+        """Drop an idle, settled block from the table (its pool slot is freed)."""
+        t = m.tier
+        if t is not None and t in pools:
+            assert m.slot is not None
+            pools[t].free([m.slot])
+            del self.owners[t][m.slot]
+            m.slot = None
+        transition(m, BlockState.FREE)
+        self.touch(m)
+        del self.meta[m.key]
+
+    def idle_victims(self, tier: Tier, n: int, exclude: set[BlockKey]) -> list[BlockKey]:
+        """Up to `n` least recently used idle blocks of `tier`, not in `exclude`."""
+        out: list[BlockKey] = []
+        if n <= 0:
+            return out
+        for k in self.idle[tier]:  # least recently used first
+            if k not in exclude:
+                out.append(k)
+                if len(out) == n:
+                    break
+        return out
+
+    # -- views ---------------------------------------------------------------------------------
+    def infos(self, block_bytes: int) -> list[BlockInfo]:
+        return [BlockInfo(m.key, m.tier, m.pins > 0, m.users > 0, tuple(sorted(m.sessions)),
+                          m.last_access, block_bytes) for m in self.meta.values()]
+
+    def session_blocks(self) -> dict[str, dict[str, int]]:
+        """Per session: how many referenced blocks sit in each tier (and LOST / moving)."""
+        out: dict[str, dict[str, int]] = {}
+        for m in self.meta.values():
+            for s in m.sessions:
+                d = out.setdefault(s, {"hot": 0, "warm": 0, "cold": 0, "other": 0})
+                d[m.tier.value if m.tier is not None else "other"] += 1
+        return out
+
+    def state_counts(self) -> tuple[dict[str, int], int, int]:
+        """Blocks per state, pinned blocks, blocks in use."""
+        by_state: dict[str, int] = {}
+        pinned = in_use = 0
+        for m in self.meta.values():
+            by_state[m.state.value] = by_state.get(m.state.value, 0) + 1
+            pinned += m.pins > 0
+            in_use += m.users > 0
+        return by_state, pinned, in_use
+
+    def busy_slots(self, tier: Tier) -> list[int]:
+        """Used slots of `tier` a relocation must skip: in use, private or mid-migration."""
+        busy = [s for s, k in self.owners[tier].items()
+                if self.meta[k].users or self.meta[k].state is BlockState.MIGRATING]
+        for m in self.meta.values():
+            if m.state is BlockState.MIGRATING and m.dst_tier is tier and m.dst_slot is not None:
+                busy.append(m.dst_slot)
+        if tier is Tier.HOT:
+            busy.extend(self.leases.private_slots())
+        return sorted(busy)
+
+    # -- invariants ----------------------------------------------------------------------------
+    def check_integrity(self, pools: dict[Tier, BlockPool]) -> None:
+        """Raise `IntegrityError` on any broken invariant of the table and its pools."""
+        for t, pool in pools.items():
+            pool.check_integrity()
+            for s, k in self.owners[t].items():
+                m = self.meta.get(k)
+                if m is None or m.slot != s or m.tier is not t:
+                    raise IntegrityError(f"{t.value} slot {s} owned by unknown or moved block")
+        reserved = {t: 0 for t in POOL_TIERS}
+        users = self.leases.counts()
+        n_idle = 0
+        for k, m in self.meta.items():
+            if m.key != k or m.pins < 0 or m.users < 0:
+                raise IntegrityError(f"block {k.hex()}: bad key or negative counts")
+            if m.users != users.get(k, 0):
+                raise IntegrityError(f"block {k.hex()}: {m.users} users, {users.get(k, 0)} held")
+            if m.state is BlockState.FREE:
+                raise IntegrityError(f"block {k.hex()}: FREE block still indexed")
+            tier = m.tier
+            if tier in POOL_TIERS and (m.slot is None or self.owners[tier].get(m.slot) != k):
+                raise IntegrityError(f"block {k.hex()}: slot {m.slot} not owned")
+            if m.state is BlockState.MIGRATING:
+                if m.dst_slot is not None and m.dst_tier is not None:
+                    reserved[m.dst_tier] += 1
+                src = _POOL_OF_STATE.get(m.src_state) if m.src_state is not None else None
+                if src is not None and (m.slot is None or self.owners[src].get(m.slot) != k):
+                    raise IntegrityError(f"block {k.hex()}: source slot lost while moving")
+            if m.state is BlockState.COLD and not m.in_cold:
+                raise IntegrityError(f"block {k.hex()}: COLD without a cold record")
+            idle = tier in POOL_TIERS and m.users == 0 and m.pins == 0
+            n_idle += idle
+            for it, lru in self.idle.items():
+                if (k in lru) != (idle and tier is it):
+                    raise IntegrityError(f"block {k.hex()}: idle LRU of {it.value} disagrees")
+        if sum(len(lru) for lru in self.idle.values()) != n_idle:
+            raise IntegrityError("idle LRU holds blocks that are not idle or not indexed")
+        private = self.leases.private_count()
+        for t, pool in pools.items():
+            expect = len(self.owners[t]) + reserved[t] + (private if t is Tier.HOT else 0)
+            if pool.num_used != expect:
+                raise IntegrityError(f"{t.value}: {pool.num_used} used slots, {expect} accounted")

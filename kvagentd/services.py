@@ -1,0 +1,219 @@
+"""The composition root: every service of the daemon, built from the configuration by one
+function. The daemon, the benchmarks and the tests build through here, so tests exercise the
+composition production runs.
+
+    services = build_services(config, BuildContext(scheduler, registry))
+    for name, service in services.in_order(): service.start()
+    ... reversed: service.stop()
+
+What is built where it applies (None otherwise):
+- `model` unless `model.source = "none"`; then the `store` over its cold tier (`cold`: the SSD
+  store behind its /dev/shm shadow), `placement` and the `engine`;
+- `maintenance` where there are KV tiers to maintain;
+- the `agent` when `agent.enabled`.
+
+Heavy imports (torch, transformers) happen inside the builders, so a daemon without a model
+starts without loading them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from kvagentd.config import Config, DebugConfig
+
+if TYPE_CHECKING:
+    import torch
+    from apscheduler.schedulers.base import BaseScheduler
+    from prometheus_client import CollectorRegistry
+
+    from kvagentd.agent.agent import Agent
+    from kvagentd.engine.executor import Executor
+    from kvagentd.engine.model import LoadedModel
+    from kvagentd.engine.service import Engine
+    from kvagentd.kvcache.base import KVGeometry
+    from kvagentd.kvcache.cold import ColdTierSpec, FailoverColdStore, FaultPlan
+    from kvagentd.kvcache.fileio import FileOps
+    from kvagentd.kvcache.placement import PlacementService
+    from kvagentd.kvcache.store import AccessListener, TieredKVStore
+    from kvagentd.maintenance.service import Maintenance
+
+SERVICE_ORDER = ("store", "placement", "engine", "maintenance", "agent")
+"""Start order; services stop in reverse."""
+
+
+class Service(Protocol):
+    """What the daemon does with every service."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None:
+        """Flush what must survive and release resources; called once, in reverse order."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """JSON-ready state for `/v1/status`."""
+        ...
+
+    def health(self) -> dict[str, Any] | None:
+        """`{"status": "ok"|"degraded"|"failing", "detail": str}`, or None without a check."""
+        ...
+
+    def reload(self, config: Config) -> None:
+        """Apply the reloadable fields of a new configuration (SIGHUP)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """The daemon's services; a field is None where the service does not apply."""
+
+    model: LoadedModel | None = None
+    store: TieredKVStore | None = None
+    cold: FailoverColdStore | None = None
+    placement: PlacementService | None = None
+    engine: Engine | None = None
+    maintenance: Maintenance | None = None
+    agent: Agent | None = None
+
+    def in_order(self) -> list[tuple[str, Service]]:
+        """The present services in start order."""
+        present: list[tuple[str, Service | None]] = [
+            ("store", self.store), ("placement", self.placement), ("engine", self.engine),
+            ("maintenance", self.maintenance), ("agent", self.agent)]
+        return [(n, s) for n, s in present if s is not None]
+
+    @property
+    def executor(self) -> Executor | None:
+        return self.engine.executor if self.engine is not None else None
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What the daemon lends the services it builds."""
+
+    scheduler: BaseScheduler | None = None
+    registry: CollectorRegistry | None = None
+    on_phase: Callable[[str], None] = field(default=lambda _text: None)
+    """Told before a slow phase ("loading model"): the daemon extends its start timeout."""
+
+
+class Tiers(NamedTuple):
+    store: TieredKVStore
+    cold: FailoverColdStore
+
+
+# -- the KV tiers ------------------------------------------------------------------------------
+
+def fault_plan(debug: DebugConfig) -> FaultPlan:
+    """The `[debug]` fault-injection plan (all off by default)."""
+    from kvagentd.kvcache.cold import FaultPlan
+
+    return FaultPlan(read_eio_rate=debug.fault_read_eio_rate,
+                     write_eio_rate=debug.fault_write_eio_rate, enospc=debug.fault_enospc,
+                     erofs=debug.fault_erofs, torn_write_rate=debug.fault_torn_write_rate,
+                     latency_s=debug.fault_latency_s)
+
+
+def cold_tier_spec(config: Config) -> ColdTierSpec:
+    from kvagentd.kvcache.cold import ColdTierSpec
+
+    kv, m = config.kv, config.maintenance
+    return ColdTierSpec(cold_dir=Path(kv.cold_dir), shadow_dir=Path(m.shadow_dir),
+                        codec=kv.cold_codec, capacity_bytes=int(kv.cold_capacity_bytes),
+                        segment_bytes=int(kv.segment_bytes), io_unit_bytes=int(kv.io_unit_bytes),
+                        o_direct=kv.o_direct, ttl_s=kv.cold_ttl_s, io_threads=kv.io_threads,
+                        shadow_bytes=int(m.shadow_bytes),
+                        failback_good_probes=m.failback_good_probes,
+                        faults=fault_plan(config.debug), fault_seed=config.debug.fault_seed)
+
+
+def build_tiers(config: Config, geometry: KVGeometry, namespace: bytes,
+                device: str | torch.device = "cpu", *,
+                access_listener: AccessListener | None = None,
+                file_io: FileOps | None = None) -> Tiers:
+    """The tiered store over its failover cold tier, as the daemon runs it."""
+    from kvagentd.kvcache.base import ColdListener
+    from kvagentd.kvcache.cold import build_cold_tier
+    from kvagentd.kvcache.store import TieredKVStore
+
+    spec = cold_tier_spec(config)
+    built: list[FailoverColdStore] = []
+
+    def cold(listener: ColdListener) -> FailoverColdStore:
+        built.append(build_cold_tier(spec, geometry, namespace, listener, file_io=file_io))
+        return built[-1]
+
+    store = TieredKVStore(geometry, namespace, hot_bytes=int(config.kv.hot_bytes),
+                          warm_bytes=config.warm_bytes, cold=cold, device=device,
+                          access_listener=access_listener,
+                          persist_on_shutdown=config.kv.persist_on_shutdown)
+    return Tiers(store, built[0])
+
+
+# -- everything --------------------------------------------------------------------------------
+
+def build_services(config: Config, ctx: BuildContext) -> Services:
+    """Every service that applies to `config`, constructed (not started) in start order."""
+    if config.model.source == "none":
+        return Services(maintenance=None,
+                        agent=_build_agent(config, ctx, None, None))
+    from kvagentd.engine.model import load_model, model_geometry
+    from kvagentd.engine.service import Engine
+    from kvagentd.kvcache.keys import make_namespace
+    from kvagentd.kvcache.placement import PlacementService
+    from kvagentd.maintenance.service import Maintenance
+
+    state_dir = Path(config.daemon.state_dir)
+    ctx.on_phase("loading model")
+    model = load_model(config.model, Path(config.daemon.cache_dir))
+    geometry = model_geometry(model.model, config.kv.block_tokens, model.dtype)
+    namespace = make_namespace(model.fingerprint, model.dtype, config.kv.block_tokens)
+    tiers = build_tiers(config, geometry, namespace, model.device)
+    placement = PlacementService(tiers.store, config.placement, config.kv, ctx.scheduler,
+                                 summary_path=state_dir / "heat-summary.json",
+                                 registry=ctx.registry)
+    engine = Engine(model, tiers.store, state_dir=state_dir, executor_config=config.executor,
+                    registry=ctx.registry)
+    maintenance = Maintenance(config, tiers.store, tiers.cold, ctx.scheduler,
+                              is_idle=idle_probe(engine.executor, ctx.scheduler))
+    return Services(model=model, store=tiers.store, cold=tiers.cold, placement=placement,
+                    engine=engine, maintenance=maintenance,
+                    agent=_build_agent(config, ctx, engine.executor, tiers.store))
+
+
+def _build_agent(config: Config, ctx: BuildContext, executor: Executor | None,
+                 store: TieredKVStore | None) -> Agent | None:
+    if not config.agent.enabled:
+        return None
+    from kvagentd.agent.agent import Agent
+
+    return Agent(config.agent, executor, ctx.scheduler, Path(config.daemon.state_dir),
+                 store_stats=store.stats if store is not None else None)
+
+
+def idle_probe(executor: Executor | None,
+               scheduler: BaseScheduler | None) -> Callable[[float], bool]:
+    """`is_idle(expected_s)`: no generation runs or waits and no sensor tick is due within
+    `expected_s` seconds: the moment for maintenance that pauses admission (defrag)."""
+    from kvagentd.agent.jobs import TICK_PREFIX
+
+    def is_idle(expected_s: float = 0.0) -> bool:
+        if executor is not None:
+            st = executor.status()
+            if st["active"] or any(st["queued"].values()):
+                return False
+        if scheduler is None:
+            return True
+        horizon = time.time() + expected_s
+        for job in scheduler.get_jobs():
+            if job.id.startswith(TICK_PREFIX) and job.next_run_time is not None \
+                    and job.next_run_time.timestamp() <= horizon:
+                return False
+        return True
+
+    return is_idle
