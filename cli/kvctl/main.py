@@ -7,13 +7,21 @@ Exit codes (sysexits): 0 ok, 1 other failure, 64 usage, 69 daemon unreachable,
 from __future__ import annotations
 
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 import typer
 
-from kvagentd import __version__
 from kvctl import cmd_agent, cmd_blocks, cmd_core, cmd_maintenance, cmd_sessions, cmd_trace
 from kvctl.common import (DEFAULT_SOCKET, DEFAULT_TIMEOUT_S, EX_USAGE, JsonOpt, Opts, SocketOpt,
                           TimeoutOpt)
+
+def _installed_version() -> str:
+    """The installed distribution's version (kvctl ships with the daemon)."""
+    try:
+        return version("kvagentd")
+    except PackageNotFoundError:
+        return "unknown"
+
 
 app = typer.Typer(name="kvctl", help=__doc__, no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -26,7 +34,7 @@ COMMAND_MODULES = (cmd_core, cmd_sessions, cmd_blocks, cmd_trace, cmd_agent, cmd
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"kvctl {__version__}")
+        typer.echo(f"kvctl {_installed_version()}")
         raise typer.Exit(0)
 
 
