@@ -2,9 +2,9 @@
 
     OMP_NUM_THREADS=1 python -m bench.placement
 
-Every policy is replayed by `kvagentd.kvcache.sim.simulate`, which drives the daemon's own
+Every policy is replayed by `bench.placement_sim.replay.simulate`, which drives the daemon's own
 PlacementService (heat map, policy, prefetcher, apply step) against a simulated store. Traces
-are generated in memory from fixed seeds (`kvagentd.kvcache.traces`).
+are generated in memory from fixed seeds (`bench.placement_sim.workloads`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import numpy as np
 
 from bench.common import Goal, Result, print_table, write_result
 from kvagentd.kvcache.base import BlockInfo, Tier
-from kvagentd.kvcache.heat import HeatMap
-from kvagentd.kvcache.policy import POLICIES, Capacities, PolicyParams, SnapshotView, make_policy
-from kvagentd.kvcache.prefetch import Prefetcher
-from kvagentd.kvcache.sim import Latencies, simulate
-from kvagentd.kvcache.traces import pure_scan, seed_workload, shifting_popularity
+from kvagentd.kvcache.placement.heat import HeatMap
+from kvagentd.kvcache.placement.policy import (POLICIES, Capacities, PolicyParams, SnapshotView,
+                                               make_policy)
+from kvagentd.kvcache.placement.prefetch import Prefetcher
+from bench.placement_sim.replay import Latencies, simulate
+from bench.placement_sim.workloads import pure_scan, seed_workload, shifting_popularity
 
 COMMAND = "OMP_NUM_THREADS=1 python -m bench.placement"
 BLOCK_BYTES = 368_640  # SmolLM2-135M, 16 tokens, bf16

@@ -165,7 +165,7 @@ def build_services(config: Config, ctx: BuildContext) -> Services:
     from kvagentd.engine.model import load_model, model_geometry
     from kvagentd.engine.service import Engine
     from kvagentd.kvcache.keys import make_namespace
-    from kvagentd.kvcache.placement import PlacementService
+    from kvagentd.kvcache.placement import AccessFeed, PlacementService
     from kvagentd.maintenance.service import Maintenance
 
     state_dir = Path(config.daemon.state_dir)
@@ -173,8 +173,9 @@ def build_services(config: Config, ctx: BuildContext) -> Services:
     model = load_model(config.model, Path(config.daemon.cache_dir))
     geometry = model_geometry(model.model, config.kv.block_tokens, model.dtype)
     namespace = make_namespace(model.fingerprint, model.dtype, config.kv.block_tokens)
-    tiers = build_tiers(config, geometry, namespace, model.device)
-    placement = PlacementService(tiers.store, config.placement, config.kv, ctx.scheduler,
+    feed = AccessFeed()  # the store reports accesses to it, placement drains it
+    tiers = build_tiers(config, geometry, namespace, model.device, access_listener=feed.record)
+    placement = PlacementService(tiers.store, feed, config.placement, config.kv, ctx.scheduler,
                                  summary_path=state_dir / "heat-summary.json",
                                  registry=ctx.registry)
     engine = Engine(model, tiers.store, state_dir=state_dir, executor_config=config.executor,

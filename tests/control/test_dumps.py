@@ -16,7 +16,7 @@ from kvagentd.control.dumps import DumpDir, DumpDirUnsafe, DumpExists, DumpNameE
 from kvagentd.control.handlers import placement as placement_routes
 from kvagentd.control.router import Router
 from kvagentd.control.server import ControlServer
-from kvagentd.kvcache.trace import TraceRecorder, load_trace
+from kvagentd.kvcache.placement.trace_recorder import TraceRecorder, load_trace
 from tests.control.conftest import make_config
 
 KEYS = [bytes([i]) * 16 for i in range(1, 4)]

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from kvagentd.kvcache.heat import HeatMap, load_summary
+from kvagentd.kvcache.placement.heat import HeatMap, load_summary
 
 
 def k(i: int) -> bytes:
@@ -78,20 +78,6 @@ def test_rebase_keeps_heat():
     before = h.heat_of([k(0), k(1), k(2)])
     h._rebase()
     assert np.allclose(h.heat_of([k(0), k(1), k(2)]), before)
-
-
-def test_thresholds_from_mean_heat():
-    h = HeatMap(200)
-    for t in range(10):
-        keys = [k(1)] + ([k(3)] if t == 0 else []) + ([k(4)] if t == 5 else [])
-        h.record(keys + ([k(2)] if t == 9 else []), "s")
-    vals = h.heat_of([k(1), k(2), k(3), k(4)])
-    assert np.allclose(vals, [sum(1 / d for d in range(1, 11)), 1.0, 0.1, 0.2], rtol=1e-6)
-    cls = h.classify(h.heat(), 1.8, 0.9)
-    assert cls.mean == pytest.approx(float(vals.mean()), rel=1e-6)  # 1.057
-    assert vals[0] >= cls.hot_threshold  # 2.93 >= 1.90: hot
-    assert cls.warm_threshold <= vals[1] < cls.hot_threshold  # 1.0 >= 0.95: warm
-    assert vals[2] < cls.warm_threshold and vals[3] < cls.warm_threshold  # cold
 
 
 def test_summary_round_trip_hottest_session_first(tmp_path):

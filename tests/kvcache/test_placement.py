@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from kvagentd.config import KVConfig, PlacementConfig
 from kvagentd.kvcache.base import BlockInfo, Tier
-from kvagentd.kvcache.heat import HeatMap
-from kvagentd.kvcache.placement import PlacementService
-from kvagentd.kvcache.policy import (Action, Capacities, HeatPolicy, LRUPolicy, PolicyParams,
+from kvagentd.kvcache.placement.heat import HeatMap
+from kvagentd.kvcache.placement import AccessFeed, PlacementService
+from kvagentd.kvcache.placement.policy import (Action, Capacities, HeatPolicy, LRUPolicy, PolicyParams,
                                      Reason, make_policy)
-from kvagentd.kvcache.prefetch import Prefetcher
-from kvagentd.kvcache.sim import Latencies, SimClock, SimStore
-from kvagentd.kvcache.trace import Request
+from kvagentd.kvcache.placement.prefetch import Prefetcher
+from bench.placement_sim.replay import Latencies, SimClock, SimStore
+from bench.placement_sim.request_trace import Request
 
 from .conftest import compute_blocks
 
@@ -123,10 +123,10 @@ def test_cold_ttl_is_refreshed_by_an_access():
     cfg = PlacementConfig(policy="lru", interval_s=1.0)
     kv = KVConfig(cold_ttl_s=100.0)
     clock = SimClock(0.0)
-    store = SimStore(Capacities(2, 2), Latencies(), 100, clock)
+    feed = AccessFeed(clock=clock)
+    store = SimStore(Capacities(2, 2), Latencies(), 100, clock, feed.record)
     store.preload_cold([(k("x"), "s"), (k("y"), "s")], 0.0)
-    svc = PlacementService(store, cfg, kv, clock=clock, capacities=Capacities(2, 2),
-                           persist_summary=False)
+    svc = PlacementService(store, feed, cfg, kv, clock=clock, persist_summary=False)
     clock.t = 90.0
     store.access("s", [k("y")])
     store.demote([k("y")], Tier.COLD)
@@ -200,9 +200,9 @@ def test_no_ping_pong_on_a_stable_trace():
     cfg = PlacementConfig(policy="heat", interval_s=1.0, window_fraction=1.0)
     caps = Capacities(8, 4)  # x and y fit hot, z lives one tier lower
     clock = SimClock(0.0)
-    store = SimStore(caps, Latencies(), 100, clock)
-    svc = PlacementService(store, cfg, KVConfig(), clock=clock, capacities=caps,
-                           persist_summary=False)
+    feed = AccessFeed(clock=clock)
+    store = SimStore(caps, Latencies(), 100, clock, feed.record)
+    svc = PlacementService(store, feed, cfg, KVConfig(), clock=clock, persist_summary=False)
     reqs = stable_requests(60)
     moves: Counter = Counter()
     next_round = 1.0
@@ -219,10 +219,10 @@ def test_no_ping_pong_on_a_stable_trace():
 
 
 def test_service_applies_a_plan_to_the_store(make_store):
-    st_ = make_store(hot=4, warm=4)
+    feed = AccessFeed()
+    st_ = make_store(hot=4, warm=4, access_listener=feed.record)
     cfg = PlacementConfig(policy="heat", window_fraction=1.0)
-    svc = PlacementService(st_, cfg, KVConfig(), persist_summary=False)
-    assert st_.access_listener == svc.on_access
+    svc = PlacementService(st_, feed, cfg, KVConfig(), persist_summary=False)
     assert svc.capacities() == Capacities(4, 4)
     hot = compute_blocks(st_, "a", list(range(8)), 0, 2)
     cold = compute_blocks(st_, "b", list(range(100, 108)), 0, 2)
@@ -249,11 +249,9 @@ def test_service_applies_a_plan_to_the_store(make_store):
 
 
 def test_service_survives_a_failing_round():
-    class Broken:
-        geometry = None
-        access_listener = None
-
+    class Broken(SimStore):
         def __init__(self):
+            super().__init__(Capacities(4, 4), Latencies(), 100, SimClock(0.0))
             self.calls = 0
             self.ok = threading.Event()
 
@@ -264,8 +262,8 @@ def test_service_survives_a_failing_round():
             raise OSError("disk on fire")
 
     b = Broken()
-    svc = PlacementService(b, PlacementConfig(interval_s=0.05), KVConfig(),  # type: ignore[arg-type]
-                           capacities=Capacities(4, 4), persist_summary=False)
+    svc = PlacementService(b, AccessFeed(), PlacementConfig(interval_s=0.05), KVConfig(),
+                           persist_summary=False)
     svc.start()
     try:
         assert b.ok.wait(10)
@@ -280,11 +278,12 @@ def test_scheduler_job_and_reload():
     from apscheduler.schedulers.background import BackgroundScheduler
 
     clock = SimClock(0.0)
-    store = SimStore(Capacities(4, 4), Latencies(), 100, clock)
+    feed = AccessFeed(clock=clock)
+    store = SimStore(Capacities(4, 4), Latencies(), 100, clock, feed.record)
     sched = BackgroundScheduler()
     sched.start()
-    svc = PlacementService(store, PlacementConfig(interval_s=0.05), KVConfig(), sched,
-                           capacities=Capacities(4, 4), persist_summary=False)
+    svc = PlacementService(store, feed, PlacementConfig(interval_s=0.05), KVConfig(), sched,
+                           persist_summary=False)
     try:
         svc.start()
         deadline = time.time() + 10

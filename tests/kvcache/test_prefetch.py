@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from kvagentd.config import KVConfig, PlacementConfig
 from kvagentd.kvcache.base import Tier
-from kvagentd.kvcache.heat import HeatMap, SessionHeat
-from kvagentd.kvcache.placement import PlacementService
-from kvagentd.kvcache.policy import Capacities, Reason
-from kvagentd.kvcache.prefetch import Prefetcher
-from kvagentd.kvcache.sim import Latencies, SimClock, SimStore
+from kvagentd.kvcache.placement.heat import HeatMap, SessionHeat
+from kvagentd.kvcache.placement import AccessFeed, PlacementService
+from kvagentd.kvcache.placement.policy import Capacities, Reason
+from kvagentd.kvcache.placement.prefetch import Prefetcher
+from bench.placement_sim.replay import Latencies, SimClock, SimStore
 
 
 def k(s: str, i: int) -> bytes:
@@ -77,18 +77,19 @@ def test_neighbour_prefetch_after_a_cold_read():
 def test_service_turns_a_cold_read_into_a_background_prefetch():
     clock = SimClock(0.0)
     caps = Capacities(8, 8)
-    store = SimStore(caps, Latencies(), 100, clock)
+    feed = AccessFeed(clock=clock)
+    store = SimStore(caps, Latencies(), 100, clock, feed.record)
     blocks = [k("r", i) for i in range(6)]
     store.preload_cold([(x, "r") for x in blocks], 0.0)
     # thresholds out of reach: heat alone never promotes, only the neighbour prefetch does
     cfg = PlacementConfig(policy="heat+prefetch", hot_factor=100.0, warm_factor=100.0)
-    svc = PlacementService(store, cfg, KVConfig(), clock=clock, capacities=caps,
-                           persist_summary=False)
+    svc = PlacementService(store, feed, cfg, KVConfig(), clock=clock, persist_summary=False)
     store.access("r", blocks)  # the session's block order is learned
     store.demote(blocks, Tier.COLD)
     clock.t = 5.0
     svc.run_round()  # the access path now knows these blocks are cold
     store.access("r", blocks[:2])
+    svc.ingest()
     assert svc.trace.events()[-1].tier is Tier.COLD
     assert svc.flush_prefetch() == 4  # neighbour_blocks = 8, four blocks follow
     assert set(store.pending) == set(blocks[2:])
@@ -100,11 +101,12 @@ def test_service_turns_a_cold_read_into_a_background_prefetch():
 def test_lru_and_heat_do_not_prefetch_neighbours():
     clock = SimClock(0.0)
     caps = Capacities(8, 8)
-    store = SimStore(caps, Latencies(), 100, clock)
+    feed = AccessFeed(clock=clock)
+    store = SimStore(caps, Latencies(), 100, clock, feed.record)
     blocks = [k("r", i) for i in range(6)]
     store.preload_cold([(x, "r") for x in blocks], 0.0)
-    svc = PlacementService(store, PlacementConfig(policy="lru"), KVConfig(), clock=clock,
-                           capacities=caps, persist_summary=False)
+    svc = PlacementService(store, feed, PlacementConfig(policy="lru"), KVConfig(), clock=clock,
+                           persist_summary=False)
     store.access("r", blocks)
     store.demote(blocks, Tier.COLD)
     svc.run_round()
@@ -115,7 +117,8 @@ def test_lru_and_heat_do_not_prefetch_neighbours():
 def test_warmup_loads_the_hottest_sessions_before_the_first_tick(tmp_path):
     clock = SimClock(0.0)
     caps = Capacities(4, 8)
-    store = SimStore(caps, Latencies(), 100, clock)
+    feed = AccessFeed(clock=clock)
+    store = SimStore(caps, Latencies(), 100, clock, feed.record)
     hot_s = [k("h", i) for i in range(3)]
     mid_s = [k("m", i) for i in range(3)]
     cold_s = [k("c", i) for i in range(3)]
@@ -129,8 +132,8 @@ def test_warmup_loads_the_hottest_sessions_before_the_first_tick(tmp_path):
     h.record([k("z", 1)], "other2")
     path = tmp_path / "heat.json"
     h.save_summary(path)
-    svc = PlacementService(store, PlacementConfig(warmup_sessions=2), KVConfig(), clock=clock,
-                           capacities=caps, summary_path=path)
+    svc = PlacementService(store, feed, PlacementConfig(warmup_sessions=2), KVConfig(), clock=clock,
+                           summary_path=path)
     assert svc.warmup() == 6
     tiers = {x: b.tier for x, b in store.blocks.items()}
     assert [tiers[x] for x in hot_s[1:]] == [Tier.HOT, Tier.HOT]  # hot budget: caps.hot // 2

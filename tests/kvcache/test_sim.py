@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvagentd.kvcache.policy import Capacities
-from kvagentd.kvcache.sim import simulate
-from kvagentd.kvcache.trace import Request
-from kvagentd.kvcache.traces import pure_scan, seed_workload, shifting_popularity
+from kvagentd.kvcache.placement.policy import Capacities
+from bench.placement_sim.replay import simulate
+from bench.placement_sim.request_trace import Request
+from bench.placement_sim.workloads import pure_scan, seed_workload, shifting_popularity
 
 
 def k(s: str, i: int) -> bytes:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvagentd.kvcache.base import Tier
-from kvagentd.kvcache.trace import TraceRecorder, load_trace, to_requests
+from bench.placement_sim.request_trace import to_requests
+from kvagentd.kvcache.placement.trace_recorder import TraceRecorder, load_trace
 
 
 def k(i: int) -> bytes:
@@ -66,15 +67,17 @@ def test_control_routes_dump_stream_and_status(tmp_path):
     from kvagentd.control.errors import BadRequest, NotReady
     from kvagentd.control.handlers import placement as handler
     from kvagentd.control.router import Response, Router
-    from kvagentd.kvcache.placement import PlacementService
-    from kvagentd.kvcache.policy import Capacities
-    from kvagentd.kvcache.sim import Latencies, SimClock, SimStore
+    from kvagentd.kvcache.placement import AccessFeed, PlacementService
+    from kvagentd.kvcache.placement.policy import Capacities
+    from bench.placement_sim.replay import Latencies, SimClock, SimStore
 
     clock = SimClock(5.0)
-    store = SimStore(Capacities(4, 4), Latencies(), 100, clock)
-    svc = PlacementService(store, PlacementConfig(), KVConfig(), clock=clock,
-                           capacities=Capacities(4, 4), persist_summary=False)
+    feed = AccessFeed(clock=clock)
+    store = SimStore(Capacities(4, 4), Latencies(), 100, clock, feed.record)
+    svc = PlacementService(store, feed, PlacementConfig(), KVConfig(), clock=clock,
+                           persist_summary=False)
     store.access("a", [k(1), k(2)])
+    svc.ingest()
     config = types.SimpleNamespace(daemon=types.SimpleNamespace(state_dir=tmp_path))
     daemon = types.SimpleNamespace(placement=svc, config=config)
     router = Router()

@@ -12,7 +12,7 @@ from typing import Any
 from kvagentd.control.dumps import DumpDir, DumpDirUnsafe, DumpExists, DumpNameError
 from kvagentd.control.errors import BadRequest, Conflict, Internal, require_service
 from kvagentd.control.router import NDJSON_TYPE, Request, Response, Router
-from kvagentd.kvcache.trace import iter_jsonl, write_trace_to
+from kvagentd.kvcache.placement.trace_recorder import iter_jsonl, write_trace_to
 
 TRACE_FORMATS = ("jsonl", "npz")
 

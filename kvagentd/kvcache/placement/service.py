@@ -1,7 +1,7 @@
-"""The placement service: heat map + trace + prefetcher fed by the store, a policy round every
-`placement.interval_s`, and the one step that applies a plan to the store.
+"""The placement service: heat map + trace + prefetcher fed by the store's accesses, a policy
+round every `placement.interval_s`, and the one step that applies a plan to the store.
 
-    store.record_access -> on_access -> heat.record, trace.record, prefetcher.observe
+    store.record_access -> feed.record ... ingest -> heat.record, trace.record, prefetcher.observe
     every interval: snapshot -> policy.plan(...) -> apply(plan) (demote, evict, promote)
     on a cold read: the session's following blocks -> store.promote(..., background=True)
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +24,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvagentd.config import KVConfig, PlacementConfig
 
-from .base import BlockKey, KVStore, Tier
+from ..base import BlockKey, Tier
+from .base import PlacementStore
+from .feed import Access, AccessFeed
 from .heat import HeatMap, load_summary
 from .policy import (COLD, HOT, NONE, WARM, Action, Capacities, Move, Plan, PlacementPolicy,
                      PolicyParams, SnapshotView, make_policy)
 from .prefetch import Prefetcher
-from .trace import TraceRecorder
+from .trace_recorder import TraceRecorder
 
 log = structlog.get_logger(__name__)
 
@@ -70,23 +72,23 @@ class RoundReport:
 class PlacementService:
     """Decides where blocks live and applies it to `store`.
 
-    `scheduler` (APScheduler 3) runs the rounds as a job when given; otherwise the service's
-    own thread does. Either way a small thread issues neighbour prefetches as soon as a cold
-    read is seen. `clock` is wall time (tests and the simulator pass their own)."""
+    `feed` is the access listener `store` reports to. `scheduler` (APScheduler 3) runs the
+    rounds as a job when given; otherwise the service's own thread does. Either way that thread
+    ingests accesses as they come and issues neighbour prefetches as soon as a cold read is
+    seen. `clock` is wall time (tests and the simulator pass their own)."""
 
-    def __init__(self, store: KVStore, config: PlacementConfig, kv_config: KVConfig,
-                 scheduler: Any = None, *, clock: Callable[[], float] = time.time,
-                 summary_path: str | Path | None = None,
-                 registry: CollectorRegistry | None = None,
-                 capacities: Capacities | None = None, persist_summary: bool = True) -> None:
+    def __init__(self, store: PlacementStore, feed: AccessFeed, config: PlacementConfig,
+                 kv_config: KVConfig, scheduler: Any = None, *,
+                 clock: Callable[[], float] = time.time, summary_path: str | Path | None = None,
+                 registry: CollectorRegistry | None = None, persist_summary: bool = True) -> None:
         self.store = store
+        self.feed = feed
         self.config = config
         self.kv_config = kv_config
         self.scheduler = scheduler
         self.clock = clock
         self.summary_path = Path(summary_path) if summary_path is not None else (
             Path(kv_config.cold_dir) / SUMMARY_FILE)
-        self._fixed_caps = capacities
         self.persist_summary = persist_summary
         self.heat = HeatMap(config.heatmap_window)
         self.trace = TraceRecorder(config.trace_capacity)
@@ -101,7 +103,6 @@ class PlacementService:
         self.warmed_up = 0
         self._lock = threading.Lock()  # one round / apply at a time
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._job: Any = None
         reg = registry if registry is not None else CollectorRegistry()
@@ -116,26 +117,10 @@ class PlacementService:
         self._m_blocks = Gauge("kvagentd_placement_blocks", "Blocks considered last round",
                                registry=reg)
         self._tier_by_row = np.full(1024, NONE, dtype=np.int8)
-        self._attach_listener()
-
-    # ------------------------------------------------------------------ store wiring
-    def _attach_listener(self) -> None:
-        setter = getattr(self.store, "set_access_listener", None)
-        if callable(setter):
-            setter(self.on_access)
-        else:
-            self.store.access_listener = self.on_access  # type: ignore[attr-defined]
 
     def capacities(self) -> Capacities:
-        """Hot / warm capacity in blocks: from the store when it says, else from config."""
-        if self._fixed_caps is not None:
-            return self._fixed_caps
-        pool = getattr(self.store, "pool", None)
-        if callable(pool):
-            return Capacities(int(pool(Tier.HOT).capacity), int(pool(Tier.WARM).capacity))
-        bb = self.store.geometry.block_bytes
-        return Capacities(int(self.kv_config.hot_bytes) // bb,
-                          int(self.kv_config.hot_bytes * self.kv_config.warm_ratio) // bb)
+        """Hot / warm capacity in blocks, as the store's pools say."""
+        return Capacities(self.store.pool(Tier.HOT).capacity, self.store.pool(Tier.WARM).capacity)
 
     def _tiers_of(self, keys: Sequence[BlockKey]) -> list[Tier | None]:
         """Where `keys` were at the last round (None: unknown); marks them hot from now on."""
@@ -149,31 +134,33 @@ class PlacementService:
         return out
 
     # ------------------------------------------------------------------ access path
-    def on_access(self, keys: Iterable[BlockKey], session: str,
-                  tiers: Sequence[Tier | None] | None = None) -> None:
-        """The store's access listener: cheap, never raises into the inference path.
+    def ingest(self) -> int:
+        """Take every access the feed holds into heat, trace and prefetcher; returns how many
+        events. An event that fails is counted and skipped: it must not stop placement."""
+        events = self.feed.drain()
+        for ev in events:
+            try:
+                self._ingest_one(ev)
+            except Exception:  # noqa: BLE001 - bookkeeping of one event must not stop placement
+                self.listener_errors += 1
+                log.exception("placement.ingest_failed", session=ev.session)
+        return len(events)
 
-        `tiers` says where each block was when asked for (trace column, neighbour prefetch);
-        without it, the tiers seen by the last round are used."""
-        try:
-            keys = list(keys)
-            now = self.clock()
-            known = self._tiers_of(keys)
-            if tiers is None:
-                tiers = known
-            tick = self.heat.record(keys, session)
-            self.trace.record(tick, now, session, keys, tiers)
-            cold = [k for k, t in zip(keys, tiers) if t is Tier.COLD] if tiers else []
-            self.prefetcher.observe(session, keys, now, cold)
-            if cold:
-                self._wake.set()
-        except Exception:  # noqa: BLE001 - the listener must not break a request
-            self.listener_errors += 1
-            log.exception("placement.listener_failed", session=session)
+    def _ingest_one(self, ev: Access) -> None:
+        """One access event: where each block was (as of the last round, the trace column and
+        the neighbour prefetch trigger), heat, trace, prefetcher."""
+        keys = list(ev.keys)
+        tiers = self._tiers_of(keys)
+        tick = self.heat.record(keys, ev.session)
+        self.trace.record(tick, ev.time, ev.session, keys, tiers)
+        cold = [k for k, t in zip(keys, tiers) if t is Tier.COLD]
+        self.prefetcher.observe(ev.session, keys, ev.time, cold)
 
     def flush_prefetch(self) -> int:
-        """Issue queued neighbour prefetches on the store's background queue (only under
-        `heat+prefetch`; other policies drop them, so policies compare cleanly)."""
+        """Ingest pending accesses, then issue queued neighbour prefetches on the store's
+        background queue (only under `heat+prefetch`; other policies drop them, so policies
+        compare cleanly)."""
+        self.ingest()
         n = 0
         urgent = self.prefetcher.take_urgent()
         if self.policy.name != "heat+prefetch":
@@ -198,12 +185,7 @@ class PlacementService:
         if tier is Tier.COLD:
             return 0
         members = np.flatnonzero(codes == code)
-        pool = getattr(self.store, "pool", None)
-        if callable(pool):
-            free = int(pool(tier).num_free)
-        else:
-            caps = self.capacities()
-            free = (caps.hot if tier is Tier.HOT else caps.warm) - members.size
+        free = self.store.pool(tier).num_free
         short = need - free
         if short <= 0:
             return 0
@@ -238,6 +220,7 @@ class PlacementService:
     # ------------------------------------------------------------------ rounds
     def run_round(self) -> Plan:
         """One placement round: snapshot -> plan -> apply. Raises on failure (see `_safe`)."""
+        self.ingest()
         with self._lock:
             now = self.clock()
             t0 = time.perf_counter()
@@ -389,7 +372,7 @@ class PlacementService:
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self.feed.wake()
         if self._job is not None:
             try:
                 self._job.remove()
@@ -406,8 +389,7 @@ class PlacementService:
         next_round = time.monotonic() + self.config.interval_s
         while not self._stop.is_set():
             timeout = max(0.0, next_round - time.monotonic()) if own_rounds else 1.0
-            self._wake.wait(timeout)
-            self._wake.clear()
+            self.feed.wait(timeout)
             if self._stop.is_set():
                 break
             self._safe(self.flush_prefetch, "prefetch")

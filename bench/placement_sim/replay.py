@@ -16,14 +16,16 @@ access and an empty plan changes nothing until the next request, prefetch due ti
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvagentd.config import KVConfig, PlacementConfig
+from kvagentd.kvcache.base import BlockInfo, BlockKey, Tier
+from kvagentd.kvcache.placement import AccessFeed, PlacementService
+from kvagentd.kvcache.placement.base import PlacementStore
+from kvagentd.kvcache.placement.feed import AccessListener
+from kvagentd.kvcache.placement.policy import Capacities
 
-from .base import BlockInfo, BlockKey, Tier
-from .placement import PlacementService
-from .policy import Capacities
-from .trace import Request
+from .request_trace import Request
 
 _LEVEL = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
 
@@ -74,8 +76,8 @@ class SimCounters:
 class SimStore:
     """The placement-facing surface of the store (snapshot/promote/demote/evict), in counts."""
 
-    def __init__(self, caps: Capacities, lat: Latencies, block_bytes: int, clock: SimClock
-                 ) -> None:
+    def __init__(self, caps: Capacities, lat: Latencies, block_bytes: int, clock: SimClock,
+                 access_listener: AccessListener | None = None) -> None:
         self.caps = caps
         self.lat = lat
         self.block_bytes = block_bytes
@@ -86,7 +88,7 @@ class SimStore:
         self.pending: dict[BlockKey, _Block] = {}
         self.lane_free_at = 0.0
         self.c = SimCounters()
-        self.access_listener = None
+        self.access_listener = access_listener
         self.seen: set[BlockKey] = set()
 
     # ---------------------------------------------------------------- capacity
@@ -272,6 +274,10 @@ class SimStore:
             assert self.used[t] + self.reserved[t] <= cap, (t, self.used[t], cap)
 
 
+def _is_placement_store(store: SimStore) -> PlacementStore:
+    return store  # mypy checks that SimStore implements the protocol
+
+
 class SimClock:
     def __init__(self, t: float = 0.0) -> None:
         self.t = t
@@ -336,10 +342,10 @@ def simulate(requests: Sequence[Request], policy: str, caps: Capacities, *,
     cfg = replace(config, policy=policy)  # type: ignore[arg-type]
     t0 = requests[0].time if requests else 0.0
     clock = SimClock(t0)
-    store = SimStore(caps, latencies, block_bytes, clock)
+    feed = AccessFeed(clock=clock)
+    store = SimStore(caps, latencies, block_bytes, clock, feed.record)
     store.preload_cold(preload, t0)
-    svc = PlacementService(store, cfg, kv_config, clock=clock, capacities=caps,  # type: ignore[arg-type]
-                           persist_summary=False)
+    svc = PlacementService(store, feed, cfg, kv_config, clock=clock, persist_summary=False)
     interval = cfg.interval_s
     next_round = t0 + interval
     decision_s = 0.0

@@ -16,23 +16,14 @@ import threading
 from itertools import repeat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .base import BlockKey
+from ..base import BlockKey
 
 _REBASE_AT = float(1 << 23)  # relative ticks stay < 2^24: exact in float32
 _CHUNK_ROWS = 4096  # rows per vectorized slice (keeps the scratch buffer in cache)
-
-
-@dataclass(frozen=True, slots=True)
-class HeatClasses:
-    """Per-round thresholds: hot if heat >= hot_threshold, warm if >= warm_threshold."""
-
-    mean: float
-    hot_threshold: float
-    warm_threshold: float
 
 
 class HeatMap:
@@ -196,12 +187,6 @@ class HeatMap:
     def heat_of(self, keys: Sequence[BlockKey], now: int | None = None) -> np.ndarray:
         """Heat of `keys` in order; unknown keys have heat 0."""
         return gather(self.heat(now), self.rows_of(keys))
-
-    def classify(self, heat: np.ndarray, hot_factor: float, warm_factor: float) -> HeatClasses:
-        """Thresholds for this round from the mean heat of live blocks."""
-        live = self._live[: heat.shape[0]]
-        mean = float(heat[live].mean()) if live.any() else 0.0
-        return HeatClasses(mean, hot_factor * mean, warm_factor * mean)
 
     def session_keys(self, session: str, limit: int | None = None) -> list[BlockKey]:
         """Blocks last touched by `session`, least recent first (the last `limit`)."""

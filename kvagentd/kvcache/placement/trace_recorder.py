@@ -1,4 +1,4 @@
-"""Block access trace: a bounded ring of access events, dumped to / loaded from files.
+"""The daemon's block-access trace: a bounded ring of access events, dumped to / loaded from files.
 
 One event = one block touched by one inference event: (tick, wall time, session, block key,
 tier at access). Files are JSON lines (`.jsonl`: one header line, then one object per event)
@@ -12,13 +12,12 @@ import os
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
-from .base import BlockKey, Tier
+from ..base import BlockKey, Tier
 
 TRACE_VERSION = 1
 _TIER_CODE = {None: 0, Tier.HOT: 1, Tier.WARM: 2, Tier.COLD: 3}
@@ -33,16 +32,6 @@ class AccessEvent(NamedTuple):
     session: str
     key: BlockKey
     tier: Tier | None  # where the block was when it was asked for; None: unknown / new
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One inference event rebuilt from a trace: the blocks it touched, in order."""
-
-    tick: int
-    time: float
-    session: str
-    keys: tuple[BlockKey, ...]
 
 
 class TraceRecorder:
@@ -161,20 +150,3 @@ def load_trace(path: str | os.PathLike[str]) -> list[AccessEvent]:
         return out
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"malformed trace {p}: {exc}") from exc
-
-
-def to_requests(events: Iterable[AccessEvent]) -> list[Request]:
-    """Group consecutive events of one tick and session back into requests."""
-    out: list[Request] = []
-    cur: list[BlockKey] = []
-    head: AccessEvent | None = None
-    for e in events:
-        if head is not None and (e.tick != head.tick or e.session != head.session):
-            out.append(Request(head.tick, head.time, head.session, tuple(cur)))
-            cur = []
-        if not cur:
-            head = e
-        cur.append(e.key)
-    if head is not None and cur:
-        out.append(Request(head.tick, head.time, head.session, tuple(cur)))
-    return out

@@ -25,11 +25,12 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .base import BlockInfo, BlockKey, Tier
+from ..base import BlockInfo, BlockKey, Tier
 
 from .heat import gather
 

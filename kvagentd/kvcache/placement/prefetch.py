@@ -23,9 +23,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from .base import BlockKey, Tier
+from ..base import BlockKey, Tier
 from .heat import SessionHeat
 from .policy import Reason, Want
 

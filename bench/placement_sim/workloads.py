@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .base import BlockKey
-from .trace import Request
+from kvagentd.kvcache.base import BlockKey
+
+from .request_trace import Request
 
 SYSTEM_BLOCKS = 2
 
