@@ -74,8 +74,8 @@ def round_cost(n: int = 100_000, repeat: int = 7) -> dict[str, float]:
     out["columns_s"] = median(lambda: SnapshotView.of(snap))
     for name in POLICIES:
         pol = make_policy(name, PolicyParams(), pf)
-        out[f"{name}_decision_s"] = median(lambda: pol.plan(view, heat, caps, now))
-        out[f"{name}_full_s"] = median(lambda: pol.plan(snap, heat, caps, now))
+        out[f"{name}_decision_s"] = median(lambda p=pol: p.plan(view, heat, caps, now))
+        out[f"{name}_full_s"] = median(lambda p=pol: p.plan(snap, heat, caps, now))
     return out
 
 

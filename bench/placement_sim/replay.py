@@ -333,9 +333,12 @@ class SimResult:
                 "moves": self.moves}
 
 
+_LATENCIES, _CONFIG, _KV = Latencies(), PlacementConfig(), KVConfig()
+
+
 def simulate(requests: Sequence[Request], policy: str, caps: Capacities, *,
-             latencies: Latencies = Latencies(), block_bytes: int = 368_640,
-             config: PlacementConfig = PlacementConfig(), kv_config: KVConfig = KVConfig(),
+             latencies: Latencies = _LATENCIES, block_bytes: int = 368_640,
+             config: PlacementConfig = _CONFIG, kv_config: KVConfig = _KV,
              preload: Iterable[tuple[BlockKey, str]] = (), trace_name: str = "",
              check: bool = False) -> SimResult:
     """Replay `requests` (sorted by time) against `policy`; see module docstring."""

@@ -189,7 +189,7 @@ def stable_requests(rounds: int) -> list[Request]:
     sessions = {s: tuple(k(f"{s}{i}") for i in range(4)) for s in "xyz"}
     out = []
     t = 0.0
-    for r in range(rounds):
+    for _ in range(rounds):
         for s in "xyzx":
             out.append(Request(len(out), t, s, sessions[s]))
             t += 0.25

@@ -194,14 +194,15 @@ def _view(snapshot: Sequence[BlockInfo] | SnapshotView) -> SnapshotView:
 # ------------------------------------------------------------------------------------------
 
 def _expired(v: SnapshotView, now: float, ttl: float) -> np.ndarray:
-    return (v.tier == COLD) & ~v.pinned & ~v.in_use & ((now - v.last_access) > ttl)
+    out: np.ndarray = (v.tier == COLD) & ~v.pinned & ~v.in_use & ((now - v.last_access) > ttl)
+    return out
 
 
 def _take_top(order: np.ndarray, eligible: np.ndarray, k: int) -> np.ndarray:
     """First `k` indices of `order` that are eligible."""
     if k <= 0:
         return order[:0]
-    sel = order[eligible[order]]
+    sel: np.ndarray = order[eligible[order]]
     return sel[:k]
 
 
@@ -215,8 +216,9 @@ def _build_moves(v: SnapshotView, target: np.ndarray, score: np.ndarray, caps: C
     destination or, when none is left, from the lowest-scored block that the targets demote
     out of it (recursively for hot -> warm -> cold). Remaining budget goes to the other
     wanted hot -> warm demotions that fit free warm slots (restoring hot head-room without
-    writing to cold: warm -> cold happens only when a block needs the room). Moves are emitted in decision order, so a
-    demotion that frees room always precedes the promotion that needs it."""
+    writing to cold: warm -> cold happens only when a block needs the room). Moves are
+    emitted in decision order, so a demotion that frees room always precedes the promotion
+    that needs it."""
     tier = v.tier
     movable = (tier != NONE) & ~v.pinned
     free = {HOT: caps.hot - int((tier == HOT).sum()), WARM: caps.warm - int((tier == WARM).sum())}

@@ -192,7 +192,7 @@ class Prefetcher:
             for s in self._sessions.values():
                 if now - s.last_t <= self.interval_s + self.coaccess_window_s:
                     active.append(s)
-                if not self._regular(s):
+                if not self._regular(s) or s.interval is None:
                     continue
                 due = s.last_t + s.interval
                 # due within the horizon and not long overdue (a missed beat is not a pattern)
