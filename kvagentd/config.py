@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 from collections.abc import Mapping
 
+from kvagentd import cron
+
 DEFAULT_CONFIG_PATH = Path("/etc/kvagentd/kvagentd.toml")
 ENV_PREFIX = "KVAGENTD_"
 
@@ -39,6 +41,11 @@ def _rng(lo: float | None = None, hi: float | None = None) -> dict[str, float | 
 
 class ByteSize(int):
     """An int that config files may write as "18GiB" / "512 MB"."""
+
+
+class CronText(str):
+    """A schedule: a crontab expression ("0 6 * * 1") or "<day-of-week> HH:MM" (`kvagentd.cron`),
+    checked when the configuration is loaded."""
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
@@ -183,7 +190,7 @@ class AgentConfig:
     assessment_max_tokens: int = field(default=24, metadata=_rng(1, 4096))
     session_token_budget: int = field(default=1536, metadata=_rng(64, 1 << 20))
     report_max_tokens: int = field(default=200, metadata=_rng(1, 32768))
-    weekly_report_cron: str = "mon 06:00"  # "<day-of-week> HH:MM", local time
+    weekly_report_cron: CronText = CronText("0 6 * * 1")  # crontab (MIN HOUR DAY MONTH DOW), local
     report_period_s: float = field(default=7 * 86400.0, metadata=_rng(60.0, None))
     assets: tuple[AssetConfig, ...] = (AssetConfig(),)
 
@@ -351,6 +358,14 @@ def _convert(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
             raise ConfigError(path, value, "a number" + _range_text(meta))
         return float(_check_range(value, path, meta))
+    if tp is CronText:
+        if not isinstance(value, str):
+            raise ConfigError(path, value, f"a schedule such as {cron.EXAMPLE}")
+        try:
+            cron.trigger(value)
+        except cron.CronError as exc:
+            raise ConfigError(path, value, f"a schedule such as {cron.EXAMPLE} ({exc})") from None
+        return CronText(value.strip())
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, value, "a string")

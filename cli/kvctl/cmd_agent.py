@@ -8,7 +8,8 @@ from typing import Annotated, Any
 import typer
 
 from kvctl import render
-from kvctl.common import JsonOpt, SocketOpt, TimeoutOpt, call, opts, usage_error
+from kvctl.common import (EX_FAILURE, EX_TEMPFAIL, JsonOpt, SocketOpt, TimeoutOpt, call, opts,
+                          usage_error)
 
 
 def register(app: typer.Typer) -> None:
@@ -46,9 +47,22 @@ def report_list(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt 
 def report_show(ctx: typer.Context, report_id: Annotated[str, typer.Argument(metavar="ID")],
                 socket: SocketOpt = None, json_out: JsonOpt = False,
                 timeout: TimeoutOpt = None) -> None:
-    """One report: its Markdown text and the paths of its files."""
+    """One report: its Markdown text and the paths of its files.
+
+    Exits 1 when the report failed and 75 while it is still being written."""
     o = opts(ctx, socket, json_out, timeout)
-    render.emit(o, call(o, "GET", f"/v1/reports/{report_id}"), _render_report)
+    doc = call(o, "GET", f"/v1/reports/{report_id}")
+    render.emit(o, doc, _render_report)
+    _exit_for_state(doc)
+
+
+def _exit_for_state(doc: dict[str, Any]) -> None:
+    """A failed report exits 1, one still running 75 (try again later), a written one 0."""
+    state = doc.get("state")
+    if state == "running":
+        raise typer.Exit(EX_TEMPFAIL)
+    if state != "done":
+        raise typer.Exit(EX_FAILURE)
 
 
 def report_run_weekly(ctx: typer.Context,
@@ -81,8 +95,7 @@ def _run(o, body: dict[str, Any], wait: bool) -> None:
             break
         time.sleep(1.0)
     render.emit(o, doc, _render_report)
-    if doc.get("state") != "done":
-        raise typer.Exit(1)
+    _exit_for_state(doc)
 
 
 def events(ctx: typer.Context,

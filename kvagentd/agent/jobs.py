@@ -8,15 +8,15 @@ job of the scheduler (the control API exposes them for every service's jobs).
 from __future__ import annotations
 
 import datetime as dt
-import re
 from typing import Any
 
 from apscheduler.jobstores.base import JobLookupError
 from apscheduler.triggers.cron import CronTrigger
 
+from kvagentd import cron
+
 TICK_PREFIX = "agent.tick."
 WEEKLY_PREFIX = "agent.weekly."
-_CRON_RE = re.compile(r"^\s*([a-z,\-*]+)\s+(\d{1,2}):(\d{2})\s*$", re.IGNORECASE)
 
 
 class UnknownJob(KeyError):
@@ -32,12 +32,9 @@ def weekly_job_id(asset: str) -> str:
 
 
 def weekly_trigger(text: str) -> CronTrigger:
-    """`"<day-of-week> HH:MM"` (e.g. "mon 06:00", "mon-fri 18:30", "*" = every day), local time."""
-    m = _CRON_RE.match(text)
-    if not m:
-        raise ValueError(f"weekly_report_cron {text!r}: expected '<day-of-week> HH:MM'")
-    return CronTrigger(day_of_week=m.group(1).lower(), hour=int(m.group(2)),
-                       minute=int(m.group(3)))
+    """`agent.weekly_report_cron`: a crontab expression ("0 6 * * 1") or "<day-of-week> HH:MM"
+    ("mon 06:00"), local time (`kvagentd.cron`); raises `cron.CronError` (a ValueError)."""
+    return cron.trigger(text)
 
 
 def job_info(job: Any) -> dict[str, Any]:
@@ -61,7 +58,7 @@ def _job(scheduler: Any, job_id: str) -> Any:
 def run_job(scheduler: Any, job_id: str) -> dict[str, Any]:
     """Run a job now (its next run moves to now; a paused job runs once and stays scheduled)."""
     job = _job(scheduler, job_id)
-    job.modify(next_run_time=dt.datetime.now(dt.timezone.utc))
+    job.modify(next_run_time=dt.datetime.now(dt.UTC))
     return job_info(_job(scheduler, job_id))
 
 

@@ -108,3 +108,21 @@ def test_since_parsing():
     assert agent_handlers.parse_since("15m", 1000.0) == 100.0
     assert agent_handlers.parse_since("123.5", 0.0) == 123.5
     assert agent_handlers.parse_since(None, 0.0) is None
+
+
+def test_a_failed_report_exits_non_zero(served, capsys, monkeypatch):
+    ag, sock = served
+
+    def broken(rid, asset, now):
+        raise AttributeError("'Config' object has no attribute 'assets'")
+
+    monkeypatch.setattr(ag.reports, "_weekly", broken)
+    code, out = kvctl(sock, "report", "run", "weekly", "--asset", "pump-1", "--wait",
+                      capsys=capsys)
+    assert code == 1 and "failed: AttributeError" in out
+    rid = ag.reports.list()[0]["id"]
+    assert ag.reports.get(rid)["state"] == "failed"
+    code, out = kvctl(sock, "report", "show", rid, capsys=capsys)
+    assert code == 1 and "failed" in out
+    code, out = kvctl(sock, "--json", "report", "show", rid, capsys=capsys)
+    assert code == 1 and json.loads(out)["state"] == "failed"
