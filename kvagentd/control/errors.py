@@ -100,6 +100,8 @@ class Timeout(ApiError):
 _MAPPED_BY_NAME: dict[str, type[ApiError]] = {
     "kvagentd.config.ConfigError": BadConfig,
     "kvagentd.engine.executor.QueueFull": Busy,
+    # A job whose deadline passed while it waited, or that the stopping executor never ran.
+    "kvagentd.engine.executor.JobNotRun": Busy,
     "concurrent.futures._base.TimeoutError": Timeout,
     "builtins.TimeoutError": Timeout,
     "json.decoder.JSONDecodeError": BadRequest,

@@ -62,7 +62,11 @@ class Request:
             return {}
         try:
             return json.loads(self.body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except RecursionError:
+            raise BadRequest("request body is JSON nested too deeply") from None
+        except (UnicodeDecodeError, ValueError) as exc:
+            # NOTE: ValueError besides JSONDecodeError: an integer of more than 4300 digits
+            # (sys.int_info.str_digits_check_threshold) is refused by int() while parsing.
             raise BadRequest(f"request body is not valid JSON: {exc}") from None
 
     def json_object(self) -> dict[str, Any]:

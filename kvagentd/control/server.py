@@ -22,6 +22,7 @@ import grp
 import io
 import json
 import os
+import re
 import socket
 import socketserver
 import stat
@@ -46,6 +47,8 @@ from kvagentd.control.router import (JSON_TYPE, NDJSON_TYPE, SSE_TYPE, TEXT_TYPE
 log = structlog.get_logger(__name__)
 
 _MAX_LINE = 65536
+_DIGITS = re.compile(r"[0-9]+", re.ASCII)  # str.isdigit() also accepts "²" and other digits
+_MAX_LENGTH_DIGITS = 18  # any longer Content-Length is far past every body limit
 
 
 class ControlSocketInUse(OSError):
@@ -150,10 +153,13 @@ class ControlHandler(BaseHTTPRequestHandler):
             self.busy = False
 
     def handle_expect_100(self) -> bool:
-        length = self.headers.get("Content-Length", "")
-        if length.isdigit() and int(length) > self.ctl.cfg.max_body_bytes:
-            self.send_error(413, self._too_large_text(int(length)))
-            return False
+        text = self.headers.get("Content-Length")
+        if text is not None:
+            try:
+                self._content_length(text)
+            except ApiError as err:  # refused before the client sends the body
+                self.send_error(err.status, err.message)
+                return False
         return super().handle_expect_100()
 
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = lambda self: self._dispatch()  # noqa: E731
@@ -227,13 +233,11 @@ class ControlHandler(BaseHTTPRequestHandler):
         if text is None:
             self.body_consumed = True
             return b""
-        if not text.strip().isdigit():
+        try:
+            length = self._content_length(text)
+        except ApiError:
             self.close_connection = True
-            raise BadRequest(f"bad Content-Length {text[:40]!r}")
-        length = int(text)
-        if length > self.ctl.cfg.max_body_bytes:
-            self.close_connection = True
-            raise TooLarge(self._too_large_text(length))
+            raise
         self.deadline = time.monotonic() + self.ctl.cfg.read_timeout_s
         try:
             body = self.rfile.read(length) if length else b""
@@ -248,6 +252,20 @@ class ControlHandler(BaseHTTPRequestHandler):
             raise BadRequest("request body shorter than Content-Length")
         self.body_consumed = True
         return body
+
+    def _content_length(self, text: str) -> int:
+        """The declared body length; BadRequest unless plain ASCII digits, TooLarge past
+        `control.max_body_bytes` (without converting an absurdly long number)."""
+        digits = text.strip()
+        if not _DIGITS.fullmatch(digits):
+            raise BadRequest(f"bad Content-Length {text[:40]!r}: expected ASCII digits")
+        if len(digits.lstrip("0")) > _MAX_LENGTH_DIGITS:
+            raise TooLarge(f"request body of {len(digits)}-digit length exceeds "
+                           f"control.max_body_bytes ({self.ctl.cfg.max_body_bytes})")
+        length = int(digits)
+        if length > self.ctl.cfg.max_body_bytes:
+            raise TooLarge(self._too_large_text(length))
+        return length
 
     def _too_large_text(self, length: int) -> str:
         return (f"request body of {length} bytes exceeds control.max_body_bytes "

@@ -13,6 +13,7 @@ Wiring (the store is built from the model's geometry and namespace, before the e
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,7 +63,7 @@ class SessionView:
         s = self.table.get(session_id)
         return len(s.token_ids) if s else 0
 
-    def token_ids(self, session_id: str) -> list[int]:
+    def token_ids(self, session_id: str) -> builtins.list[int]:
         s = self.table.get(session_id)
         return list(s.token_ids) if s else []
 
@@ -80,8 +81,13 @@ class SessionView:
         return self.table.create(Session(session_id, list(token_ids), turns=turns, owner=owner))
 
     def discard_empty(self, session_id: str) -> bool:
-        """Forget the session if no turn of it ever ran (a failed or cancelled first ask)."""
-        return self.table.discard_empty(session_id)
+        """Forget the session if no turn of it ever ran (a failed or cancelled first ask),
+        with the references its attempt left on stored blocks (a matched shared prefix), so
+        that no listing shows a session that GET /v1/sessions/{id} does not know."""
+        if not self.table.discard_empty(session_id):
+            return False
+        self.store.drop_session(session_id, self.store.keys_of_session(session_id))
+        return True
 
     def text(self, session_id: str) -> str | None:
         """The whole conversation as text (special tokens kept), or None."""
@@ -119,7 +125,7 @@ class Engine:
     """Service: `start()` starts the model worker, `stop()` drains it; `status()` for /v1/status."""
 
     def __init__(self, loaded: LoadedModel, store: KVStore, *, state_dir: Path,
-                 executor_config: ExecutorConfig = ExecutorConfig(), registry: Any = None,
+                 executor_config: ExecutorConfig | None = None, registry: Any = None,
                  prefill_chunk: int = 512) -> None:
         self.loaded = loaded
         self.store = store
@@ -128,7 +134,8 @@ class Engine:
         self.runner = Runner(loaded.model, loaded.tokenizer, store, self.table,
                              prefill_chunk=prefill_chunk,
                              on_recompute=self.metrics.recomputed_tokens.inc)
-        self.executor = Executor(self.runner.run, executor_config, metrics=self.metrics)
+        self.executor = Executor(self.runner.run, executor_config or ExecutorConfig(),
+                                 metrics=self.metrics)
         self.sessions = SessionView(self.table, store, self.executor, loaded.tokenizer)
         self.started_at: float | None = None
 

@@ -172,6 +172,10 @@ class KVStore(ABC):
         """Metadata of every known block, for placement / prefetch / defrag planning."""
 
     @abstractmethod
+    def keys_of_session(self, session: str) -> list[BlockKey]:
+        """Keys of every block `session` references (read-only)."""
+
+    @abstractmethod
     def relocate(self, tier: Tier, moves: Sequence[tuple[int, int]]) -> int:
         """Defrag primitive: move idle blocks between slots of one pool (src, dst) atomically
         with respect to readers; skips blocks in use; returns how many moved."""

@@ -126,3 +126,16 @@ def test_a_failed_report_exits_non_zero(served, capsys, monkeypatch):
     assert code == 1 and "failed" in out
     code, out = kvctl(sock, "--json", "report", "show", rid, capsys=capsys)
     assert code == 1 and json.loads(out)["state"] == "failed"
+
+
+def test_report_run_refuses_event_ids_outside_sqlite_integers(served):
+    import httpx
+
+    _, sock = served
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://k") as c:
+        for event in (2**63, -1, 0, True, "7", 1.5):
+            r = c.post("/v1/reports/run", json={"kind": "replay", "event": event})
+            assert r.status_code == 400, (event, r.text)
+            assert "integer in [1, 9223372036854775807]" in r.json()["error"]["message"]
+        r = c.post("/v1/reports/run", json={"kind": "replay", "event": 2**63 - 1})
+        assert r.status_code == 404  # a valid id that no event has

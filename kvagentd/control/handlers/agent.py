@@ -23,6 +23,7 @@ from kvagentd.control.router import Request, Router
 
 _AGE_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_EVENT_ID = 2**63  # event ids are SQLite INTEGERs (signed 64-bit)
 
 
 def parse_since(text: str | None, now: float) -> float | None:
@@ -79,8 +80,9 @@ def register(router: Router, daemon: Any) -> None:
         body = req.json_object()
         kind = body.get("kind")
         event = body.get("event")
-        if kind == "replay" and not isinstance(event, int):
-            raise BadRequest("replay needs an integer 'event' id")
+        if kind == "replay" and (isinstance(event, bool) or not isinstance(event, int)
+                                 or not 0 < event < MAX_EVENT_ID):
+            raise BadRequest(f"replay needs an 'event' id: an integer in [1, {MAX_EVENT_ID - 1}]")
         if kind == "weekly" and not isinstance(body.get("asset"), str):
             raise BadRequest("weekly needs an 'asset' name")
         try:
