@@ -89,7 +89,13 @@ class ControlConfig:
     max_body_bytes: ByteSize = field(default=ByteSize(1 << 20), metadata=_rng(1024, 1 << 30))
     header_timeout_s: float = field(default=5.0, metadata=_rng(0.1, 300.0))
     read_timeout_s: float = field(default=10.0, metadata=_rng(0.1, 300.0))
-    max_connections: int = field(default=32, metadata=_rng(1, 4096))
+    max_connections: int = field(default=64, metadata=_rng(1, 4096))
+    # One uid never holds more than this many connections, so a flood by one peer leaves the
+    # rest of max_connections to everyone else.
+    max_connections_per_uid: int = field(default=8, metadata=_rng(1, 4096))
+    # New connections per second one uid may open (bursts of max_connections_per_uid above).
+    connect_rate_per_uid: float = field(default=50.0, metadata=_rng(0.1, 1e6))
+    listen_backlog: int = field(default=1024, metadata=_rng(16, 65535))  # capped by somaxconn
     # Session ids (fnmatch globs) written only by the daemon, besides the agent's own
     # (`<asset>-<n>`, `report-<asset>-*`): nobody may ask in them, operators may fork them.
     daemon_sessions: tuple[str, ...] = ()

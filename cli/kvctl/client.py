@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ class Client:
 
     def __init__(self, socket_path: Path, timeout: float) -> None:
         self.socket_path = Path(socket_path)
+        self.timeout = timeout
         self._http = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket_path)),
                                   base_url="http://kvagentd", timeout=timeout)
 
@@ -62,8 +64,8 @@ class Client:
         Statuses in `ok` are returned as well instead of raising ApiFailure.
         """
         with self._translate():
-            resp = self._http.request(method, path, params=_clean(params),
-                                      json=body if body is not None else None)
+            resp = self._send(self._http.build_request(
+                method, path, params=_clean(params), json=body if body is not None else None))
         if not (200 <= resp.status_code < 300 or resp.status_code in ok):
             raise _failure(resp.status_code, resp.content)
         return _decode(resp)
@@ -72,7 +74,9 @@ class Client:
                body: Any = None) -> Iterator[Any]:
         """Iterate a streamed reply: dicts for NDJSON lines, str pieces for text."""
         with self._translate():
-            with self._http.stream(method, path, params=_clean(params), json=body) as resp:
+            resp = self._send(self._http.build_request(method, path, params=_clean(params),
+                                                       json=body), stream=True)
+            try:
                 if resp.status_code >= 300:
                     raise _failure(resp.status_code, resp.read())
                 ctype = resp.headers.get("content-type", "")
@@ -86,6 +90,22 @@ class Client:
                     yield from _sse_events(resp.iter_lines())
                 else:
                     yield from resp.iter_text()
+            finally:
+                resp.close()
+
+    def _send(self, req: httpx.Request, *, stream: bool = False) -> httpx.Response:
+        """Send `req`; a connect refused because the daemon's accept queue is full (EAGAIN,
+        a burst or a flood) is retried with backoff within the timeout."""
+        deadline = time.monotonic() + self.timeout
+        wait = 0.005
+        while True:
+            try:
+                return self._http.send(req, stream=stream)
+            except httpx.ConnectError as exc:
+                if not _queue_full(exc) or time.monotonic() + wait > deadline:
+                    raise
+            time.sleep(wait)
+            wait = min(wait * 2, 0.2)
 
     def _translate(self) -> _Translate:
         return _Translate(self.socket_path)
@@ -117,6 +137,16 @@ class _Translate:
             raise DaemonUnreachable(self.socket_path, str(cause or exc) or type(exc).__name__
                                     ) from exc
         return False
+
+
+def _queue_full(exc: BaseException) -> bool:
+    """True when `exc` comes from connect() finding the listen backlog full (EAGAIN)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, BlockingIOError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _clean(params: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -39,19 +39,31 @@ log = structlog.get_logger(__name__)
 # Linux <asm-generic/socket.h>; the socket module does not export it.
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 _MAX_GROUPS = 256
+_CRED = struct.Struct("3i")
 
 
 def peer_of(sock: socket.socket) -> Peer:
     """Kernel-reported credentials of the process at the other end of a Unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
+    return with_groups(sock, peer_cred(sock))
+
+
+def peer_cred(sock: socket.socket) -> Peer:
+    """pid, uid and gid of the peer (SO_PEERCRED), without its supplementary groups."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+    pid, uid, gid = _CRED.unpack(raw)
+    return Peer(pid=pid, uid=uid, gid=gid)
+
+
+def with_groups(sock: socket.socket, peer: Peer) -> Peer:
+    """`peer` with its supplementary groups (SO_PEERGROUPS, else the group database)."""
+    uid, gid = peer.uid, peer.gid
     try:
         buf = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * _MAX_GROUPS)
         groups = frozenset(struct.unpack(f"{len(buf) // 4}I", buf[: len(buf) // 4 * 4]))
     except OSError:
         # NOTE: kernels before 4.13 lack SO_PEERGROUPS; fall back to the group database.
         groups = _groups_from_db(uid, gid)
-    return Peer(pid=pid, uid=uid, gid=gid, groups=groups)
+    return Peer(pid=peer.pid, uid=uid, gid=gid, groups=groups)
 
 
 def _groups_from_db(uid: int, gid: int) -> frozenset[int]:

@@ -7,7 +7,10 @@ a daemon needs around it:
 * a total deadline for the request line + headers (`control.header_timeout_s`) and one for the
   body (`control.read_timeout_s`), so a silent or byte-a-second client only ever holds its own
   connection slot, and only for that long;
-* at most `control.max_connections` connections; more are answered 503 and closed;
+* at most `control.max_connections` connections, and at most
+  `control.max_connections_per_uid` from one uid (judged at accept time from SO_PEERCRED, so a
+  peer flooding the socket only ever holds its own share); more are answered 503 and closed;
+  a listen backlog of `control.listen_backlog` absorbs bursts of connects;
 * a body limit (`control.max_body_bytes`, 413), JSON errors for every failure, including the
   parser's own;
 * streamed responses with chunked transfer encoding;
@@ -31,24 +34,26 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlsplit
 
 import structlog
 
 from kvagentd import __version__
 from kvagentd.config import ControlConfig
-from kvagentd.control.authz import AccessPolicy, peer_of
+from kvagentd.control.admission import Admission
+from kvagentd.control.authz import AccessPolicy, peer_cred, with_groups
 from kvagentd.control.errors import (ApiError, BadRequest, LengthRequired, NotReady,
                                      RequestTimeout, TooLarge, for_status, to_api_error)
-from kvagentd.control.router import (JSON_TYPE, NDJSON_TYPE, SSE_TYPE, TEXT_TYPE, Request,
-                                     Response, Route, Router, is_stream)
+from kvagentd.control.router import (JSON_TYPE, NDJSON_TYPE, SSE_TYPE, TEXT_TYPE, Peer,
+                                     Request, Response, Route, Router, is_stream)
 
 log = structlog.get_logger(__name__)
 
 _MAX_LINE = 65536
 _DIGITS = re.compile(r"[0-9]+", re.ASCII)  # str.isdigit() also accepts "²" and other digits
 _MAX_LENGTH_DIGITS = 18  # any longer Content-Length is far past every body limit
+ACCEPT_BATCH = 256  # connections accepted per wake-up of the accept loop
 
 
 class ControlSocketInUse(OSError):
@@ -98,7 +103,9 @@ class ControlHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.ctl = self.server.control
         self.connection = self.request
-        self.peer = peer_of(self.connection)
+        # NOTE: the accept thread read the peer's credentials and passes them as the address;
+        # its groups are read here, off the accept path.
+        self.peer = with_groups(self.connection, cast(Peer, self.client_address))
         self.deadline = time.monotonic() + self.ctl.cfg.header_timeout_s
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self), 16384)
         self.wfile = socketserver._SocketWriter(self.connection)  # type: ignore[attr-defined]
@@ -433,28 +440,55 @@ def _encode_item(item: Any, ctype: str, event: str | None = None) -> bytes:
 class _UnixServer(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
     block_on_close = False
-    request_queue_size = 128
 
     def __init__(self, control: ControlServer) -> None:
         self.control = control
+        self.request_queue_size = control.cfg.listen_backlog
         super().__init__(str(control.path), ControlHandler, bind_and_activate=False)
 
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.socket.setblocking(False)  # accepts drain the backlog until EAGAIN
+
+    def _handle_request_noblock(self) -> None:
+        # NOTE: socketserver accepts one connection per wake-up of its selector; under a flood
+        # that lets the backlog fill (connects then fail with EAGAIN). Drain it in batches.
+        for _ in range(ACCEPT_BATCH):
+            try:
+                request, _ = self.socket.accept()
+            except OSError:  # EAGAIN: the backlog is empty (or the peer left already)
+                return
+            try:
+                self.process_request(request, None)
+            except Exception:
+                self.handle_error(request, None)
+                self.shutdown_request(request)
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.control._slots.acquire(blocking=False):
-            self.control._reject_overload(request)
+        try:
+            peer = peer_cred(request)
+        except OSError:  # the peer left before we looked
             self.shutdown_request(request)
             return
+        refusal = self.control.admission.admit(peer)
+        if refusal is not None:
+            self.control._observe("<rejected>", "-", 503, 0.0)
+            self.control.admission.refuse(request, refusal)
+            return
         try:
-            super().process_request(request, client_address)
+            super().process_request(request, peer)
         except BaseException:
-            self.control._slots.release()
+            self.control.admission.release(peer)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.control._slots.release()
+            self.control.admission.release(client_address)
+
+    def service_actions(self) -> None:
+        self.control.admission.reap()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.error("control_connection_failed", exc_info=True)
@@ -472,13 +506,13 @@ class ControlServer:
         self.policy = policy or AccessPolicy.from_config(cfg.socket_group, cfg.operator_group)
         self.stopping = False
         self._observe_cb = observe
-        self._slots = threading.BoundedSemaphore(cfg.max_connections)
+        self.admission = Admission(cfg.max_connections, cfg.max_connections_per_uid,
+                                   cfg.connect_rate_per_uid)
         self._conns: set[ControlHandler] = set()
         self._lock = threading.Condition()
         self._server: _UnixServer | None = None
         self._thread: threading.Thread | None = None
         self._inode: int | None = None
-        self.rejected_connections = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -504,7 +538,9 @@ class ControlServer:
                                         name="control-accept", daemon=True)
         self._thread.start()
         log.info("control_listening", socket=str(self.path), mode=oct(self.cfg.socket_mode),
-                 max_connections=self.cfg.max_connections)
+                 max_connections=self.cfg.max_connections,
+                 max_connections_per_uid=self.cfg.max_connections_per_uid,
+                 backlog=self.cfg.listen_backlog)
 
     def stop(self, drain_timeout: float) -> bool:
         """Stop accepting, remove the socket, wait up to `drain_timeout` s for in-flight requests.
@@ -515,6 +551,7 @@ class ControlServer:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+        self.admission.close_all()
         self._remove_own_socket()
         with self._lock:
             for h in list(self._conns):
@@ -544,6 +581,14 @@ class ControlServer:
     def in_flight(self) -> int:
         with self._lock:
             return sum(1 for h in self._conns if h.busy)
+
+    @property
+    def rejected_connections(self) -> int:
+        return self.admission.refused
+
+    @property
+    def rejected_per_uid(self) -> int:
+        return self.admission.refused_per_uid
 
     @property
     def connections(self) -> int:
@@ -636,20 +681,6 @@ class ControlServer:
     def _observe(self, route: str, method: str, status: int, seconds: float) -> None:
         if self._observe_cb is not None:
             self._observe_cb(route, method, status, seconds)
-
-    def _reject_overload(self, sock: socket.socket) -> None:
-        self.rejected_connections += 1
-        self._observe("<rejected>", "-", 503, 0.0)
-        body = json.dumps(NotReady(
-            f"too many connections (control.max_connections = {self.cfg.max_connections}); "
-            "retry", kind="overloaded").body()).encode() + b"\n"
-        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: {JSON_TYPE}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-        try:
-            sock.settimeout(0.5)
-            sock.sendall(head + body)
-        except OSError:
-            pass  # the rejected client is gone or not reading; it is dropped either way
 
 
 def _shutdown_socket(sock: socket.socket) -> None:
