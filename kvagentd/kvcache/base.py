@@ -210,12 +210,20 @@ class BlockInfo(NamedTuple):
 
 
 class ColdListener(Protocol):
-    """What a cold tier tells its owner (the block store), passed to it at construction.
-    Called without any of the cold tier's locks held by the caller's thread of control, and
-    never with the owner's lock held (the owner never calls the cold tier under its lock)."""
+    """What a cold tier tells (and asks) its owner, the block store, passed to it at
+    construction. Never called with the owner's lock held (the owner never calls the cold
+    tier under its lock). `cold_evicted` and `cold_failed_over` are called without any of the
+    cold tier's locks held by the caller's thread of control; `cold_protected` may be called
+    with them held and must not call back into the cold tier."""
+
+    def cold_protected(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
+        """Which of `keys` must keep their records: pinned blocks, blocks a request holds
+        and blocks being read from the cold tier now. Capacity eviction never picks them."""
+        ...
 
     def cold_evicted(self, keys: list[BlockKey]) -> None:
-        """These records were dropped to stay under the cold tier's capacity."""
+        """These records were dropped to stay under the cold tier's capacity (never one that
+        `cold_protected` named at the time)."""
 
     def cold_failed_over(self) -> None:
         """The cold tier now writes to a stand-in device because the SSD failed: copies made
@@ -304,7 +312,8 @@ class ColdTier(Protocol):
 
     def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
         """Read and check every record now (the scrub): checked, corrupt, missing, repaired,
-        bytes. `repair` forgets the bad ones."""
+        bytes, moved (records compaction moved during the pass, checked where they went).
+        `repair` forgets the bad ones, never a record that was moved meanwhile."""
         ...
 
     def compact(self, min_dead_ratio: float = 0.5) -> int:

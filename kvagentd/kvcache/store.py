@@ -300,15 +300,31 @@ class TieredKVStore(KVStore):
                     n += self._mover.drop_cold_copy(m)
         log.warning("store_cold_copies_dropped", blocks=n)
 
+    def cold_protected(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
+        """Records capacity eviction must keep: pinned blocks, blocks in use, and blocks
+        being read from the cold tier (see `BlockTable.protected`)."""
+        with self._cond:
+            return self._t.protected(keys)
+
     def cold_evicted(self, keys: list[BlockKey]) -> None:
-        """The cold tier dropped records to stay under its cap."""
+        """The cold tier dropped records to stay under its cap: blocks that lived only there
+        are forgotten. A protected block (which the cold tier must not pick) is never
+        forgotten: it becomes LOST, to be recomputed, and `check_integrity` reports it."""
         with self._cond:
             for k in keys:
                 m = self._t.meta.get(k)
                 if m is None:
                     continue
                 m.in_cold = False
-                if m.state is BlockState.COLD and m.users == 0:
+                if m.state is not BlockState.COLD:
+                    continue
+                if m.pins or m.users:
+                    transition(m, BlockState.LOST)
+                    self._t.protected_evicted.append(k)
+                    self.counters["lost"] += 1
+                    log.error("store_protected_block_evicted", key=k.hex(), pins=m.pins,
+                              users=m.users)
+                else:
                     self._forget(m)
 
     # -- forgetting --------------------------------------------------------------------------
@@ -453,7 +469,7 @@ class TieredKVStore(KVStore):
         from the cold index are forgotten here too: a block that lived only there becomes
         LOST (its tokens are recomputed on next use)."""
         if self._cold is None:
-            return {"checked": 0, "corrupt": 0, "missing": 0, "repaired": 0, "bytes": 0}
+            return {"checked": 0, "corrupt": 0, "missing": 0, "repaired": 0, "bytes": 0, "moved": 0}
         before = set(self._cold.keys()) if repair else set()
         report = self._cold.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s)
         if repair:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from kvagentd.kvcache.base import BlockInfo, BlockKey, Tier
 from kvagentd.kvcache.leases import Leases
@@ -33,6 +34,8 @@ class BlockTable:
         self.owners: dict[Tier, dict[int, BlockKey]] = {t: {} for t in POOL_TIERS}
         self.idle: dict[Tier, OrderedDict[BlockKey, None]] = {t: OrderedDict() for t in POOL_TIERS}
         self.leases = Leases()
+        # blocks a cold tier evicted although they were protected (a broken contract)
+        self.protected_evicted: list[BlockKey] = []
 
     def touch(self, m: BlockMeta) -> None:
         """Call after any change of `m`'s state, users, pins or last access: `m` is in its
@@ -87,6 +90,17 @@ class BlockTable:
                     break
         return out
 
+    def protected(self, keys: Iterable[BlockKey]) -> set[BlockKey]:
+        """Which of `keys` must keep their cold records: pinned, in use, or being read from
+        the cold tier right now."""
+        out: set[BlockKey] = set()
+        for k in keys:
+            m = self.meta.get(k)
+            if m is not None and (m.pins or m.users or (
+                    m.state is BlockState.MIGRATING and m.src_state is BlockState.COLD)):
+                out.add(k)
+        return out
+
     # -- views ---------------------------------------------------------------------------------
     def infos(self, block_bytes: int) -> list[BlockInfo]:
         return [BlockInfo(m.key, m.tier, m.pins > 0, m.users > 0, tuple(sorted(m.sessions)),
@@ -125,6 +139,10 @@ class BlockTable:
     # -- invariants ----------------------------------------------------------------------------
     def check_integrity(self, pools: dict[Tier, BlockPool]) -> None:
         """Raise `IntegrityError` on any broken invariant of the table and its pools."""
+        if self.protected_evicted:
+            raise IntegrityError(f"{len(self.protected_evicted)} pinned or in-use blocks lost "
+                                 f"their only copy to cold eviction (first "
+                                 f"{self.protected_evicted[0].hex()})")
         for t, pool in pools.items():
             pool.check_integrity()
             for s, k in self.owners[t].items():

@@ -38,7 +38,8 @@ def test_put_read_reopen(make_cold, geometry, namespace):
     assert set(cs.keys()) == set(keys) and cs.bytes_used == used
     ok, outs = _read(cs, keys, geometry)
     assert all(ok) and torch.equal(outs[3], blocks[3])
-    assert cs.verify() == {"checked": 6, "corrupt": 0, "missing": 0, "repaired": 0, "bytes": used}
+    assert cs.verify() == {"checked": 6, "corrupt": 0, "missing": 0, "repaired": 0, "bytes": used,
+                           "moved": 0}
 
 
 def test_flipped_byte_is_detected_counted_and_repaired(make_cold, geometry, namespace, tmp_path):
@@ -107,6 +108,9 @@ class _Evictions:
 
     def __init__(self) -> None:
         self.keys: list[bytes] = []
+
+    def cold_protected(self, keys: list[bytes]) -> set[bytes]:
+        return set()
 
     def cold_evicted(self, keys: list[bytes]) -> None:
         self.keys.extend(keys)

@@ -81,6 +81,7 @@ class ColdIndex:
         self.db = self._open()
         self._touch_pending: dict[bytes, float] = {}
         self._touch_flushed = time.monotonic()
+        self._last_segment = 0
         with self.lock:
             self.db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
             self._bytes_used = int(self.db.execute(
@@ -321,10 +322,12 @@ class ColdIndex:
 
     # -- segments ----------------------------------------------------------------------------
     def new_segment(self) -> int:
-        """Register the next segment id as active."""
+        """Register the next segment id as active. Ids are never reused while the index is
+        open, so (segment, offset) names one record for as long as anyone remembers it."""
         with self.lock:
-            seg = int(self.db.execute(
-                "SELECT COALESCE(MAX(id), 0) + 1 FROM segments").fetchone()[0])
+            seg = max(self._last_segment + 1, int(self.db.execute(
+                "SELECT COALESCE(MAX(id), 0) + 1 FROM segments").fetchone()[0]))
+            self._last_segment = seg
             self.db.execute("INSERT INTO segments (id, state, size) VALUES (?, 'active', 0)",
                             (seg,))
         return seg

@@ -35,6 +35,8 @@ from kvagentd.kvcache.fileio import FileIO, FileOps
 
 log = structlog.get_logger(__name__)
 
+_EVICT_BATCH = 256  # eviction candidates the listener is asked about at once
+
 
 class ColdStore:
     """Checksummed block records in `directory` for one `geometry` and `namespace`.
@@ -66,7 +68,8 @@ class ColdStore:
         self.listener = listener
         self._read_only = read_only
         self.counters = dict(reads=0, read_bytes=0, corrupt=0, missing=0, io_errors=0,
-                             writes=0, write_bytes=0, write_failures=0, evicted=0,
+                             writes=0, write_bytes=0, write_failures=0, refused_full=0,
+                             evicted=0,
                              compacted_bytes=0, retired_segments=0)
         self.files = SegmentFiles(self.directory, self.io, o_direct=o_direct)
         self.index = ColdIndex(self.directory, namespace, self.io)
@@ -119,7 +122,8 @@ class ColdStore:
     def put_many(self, keys: Sequence[BlockKey], blocks: Blocks, *, session: str = "",
                  num_tokens: int = 0) -> list[bool]:
         """Store blocks durably: write all, sync, then commit their rows. Keys already present
-        are left as they are (True). False: read-only, full, or an I/O error (counted)."""
+        are left as they are (True). False: read-only, full of records that must stay
+        (`refused_full`), or an I/O error (`write_failures`)."""
         n = len(keys)
         if n == 0:
             return []
@@ -133,7 +137,8 @@ class ColdStore:
                 if not todo:
                     return [True] * n
                 if not self._make_room(len(todo) * self.writer.rec):
-                    self.counters["write_failures"] += len(todo)
+                    # full of records that must stay: a refusal, not a fault of the device
+                    self.counters["refused_full"] += len(todo)
                     return [keys[i] in present for i in range(n)]
                 self.writer.put(keys, blocks, todo, session=session, num_tokens=num_tokens)
             except OSError as exc:
@@ -165,24 +170,49 @@ class ColdStore:
 
     def _make_room(self, need: int) -> bool:
         """Evict until `need` more bytes fit: other namespaces, then expired (TTL), then the
-        least recently accessed. The listener hears which of this namespace's records went."""
+        least recently accessed, never a record the listener protects (pinned, in use).
+        False when that cannot free enough (nothing is evicted then). The listener hears
+        which of this namespace's records went."""
         with self.index.lock:
             if self.index.bytes_used + need <= self.capacity_bytes:
                 return True
             if need > self.capacity_bytes:
                 return False
-            victims, free = [], self.capacity_bytes - self.index.bytes_used
-            for key, length in self.index.eviction_order(self.ttl_s, time.time()):
+            victims: list[BlockKey] = []
+            free = self.capacity_bytes - self.index.bytes_used
+            batch: list[tuple[BlockKey, int]] = []
+            for row in self.index.eviction_order(self.ttl_s, time.time()):
+                batch.append(row)
+                if len(batch) < _EVICT_BATCH and free + sum(n for _, n in batch) < need:
+                    continue
+                free = self._take_victims(batch, victims, free, need)
+                batch = []
                 if free >= need:
                     break
-                victims.append(key)
-                free += length
+            if batch and free < need:
+                free = self._take_victims(batch, victims, free, need)
+            if free < need:
+                return False
             self.index.delete_rows(victims)
             self.counters["evicted"] += len(victims)
         if self.listener is not None and victims:
             self.listener.cold_evicted(victims)
         log.info("cold_evicted", blocks=len(victims), need=need)
         return True
+
+    def _take_victims(self, rows: list[tuple[BlockKey, int]], victims: list[BlockKey],
+                      free: int, need: int) -> int:
+        """Add the unprotected `rows` to `victims` until `need` bytes are free; returns the
+        bytes free then."""
+        keep = self.listener.cold_protected([k for k, _ in rows]) if self.listener else set()
+        for key, length in rows:
+            if free >= need:
+                break
+            if key in keep:
+                continue
+            victims.append(key)
+            free += length
+        return free
 
     # -- reading -----------------------------------------------------------------------------
     def read_into(self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]) -> list[bool]:
@@ -310,45 +340,74 @@ class ColdStore:
 
     def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
         """Scrub: read and check every record of this namespace. `missing`: its segment file
-        is absent or short; `corrupt`: checksum / header mismatch or I/O error. `repair`
-        drops both kinds from the index, each only while its row still points where it was
-        read (a record compaction moved meanwhile is kept). Rate-limited when asked."""
-        checked = corrupt = missing = nbytes = 0
-        bad: dict[bytes, RecordRow] = {}
+        is absent or short; `corrupt`: checksum / header mismatch or I/O error. A record that
+        fails where it was listed is checked again where the index points now: compaction
+        may have moved it meanwhile (and removed the segment it was listed in), and a moved,
+        valid record is neither reported nor repaired (`moved` counts those checked again).
+        `repair` drops the bad ones from the index, each only while its row still points
+        where it was found bad. Rate-limited when asked."""
+        checked = nbytes = rechecked = 0
+        bad: dict[bytes, tuple[RecordRow, str]] = {}
         t0 = time.monotonic()
         for r in self.index.segment_rows(None):
-            with self.files.read_lock:
-                if not os.path.exists(self.files.path(r.segment)):
-                    missing += 1
-                    bad[r.key] = r
-                    continue
-                got, buf = self.reader.read_one(r)
-                checked += 1
-                if isinstance(got, OSError):
-                    corrupt += 1
-                    bad[r.key] = r
-                elif got < r.length:
-                    missing += 1
-                    bad[r.key] = r
-                elif isinstance(self.reader.check(buf, 0, r), str):
-                    corrupt += 1
-                    bad[r.key] = r
-                    log.error("cold_checksum_failed", key=r.key.hex(), segment=r.segment,
-                              reason="scrub")
+            verdict = self._check_row(r)
+            checked += verdict != "missing_file"
+            if verdict != "ok":
+                bad[r.key] = (r, verdict)
             nbytes += r.length
             if rate_bytes_per_s:
                 ahead = nbytes / rate_bytes_per_s - (time.monotonic() - t0)
                 if ahead > 0:
                     time.sleep(ahead)
+        for _ in range(3):  # moved again while being rechecked: look once more
+            moved = self._moved_since(bad)
+            if not moved:
+                break
+            rechecked += len(moved)
+            for r in moved:
+                verdict = self._check_row(r)
+                checked += verdict != "missing_file"
+                if verdict == "ok":
+                    del bad[r.key]
+                else:
+                    bad[r.key] = (r, verdict)
+        corrupt = sum(1 for _, v in bad.values() if v == "corrupt")
+        missing = len(bad) - corrupt
         repaired = 0
         if repair and bad:
+            at = {k: r for k, (r, _) in bad.items()}
             try:
-                repaired = self.index.delete_rows(list(bad), if_at=bad)
+                repaired = self.index.delete_rows(list(at), if_at=at)
             except sqlite3.Error as exc:
                 self.index.failed("verify", exc)
         self.counters["corrupt"] += corrupt
         return {"checked": checked, "corrupt": corrupt, "missing": missing, "repaired": repaired,
-                "bytes": nbytes}
+                "bytes": nbytes, "moved": rechecked}
+
+    def _check_row(self, r: RecordRow) -> str:
+        """The verdict on one record: ok, corrupt, missing (a short segment) or missing_file."""
+        with self.files.read_lock:
+            if not os.path.exists(self.files.path(r.segment)):
+                return "missing_file"
+            got, buf = self.reader.read_one(r)
+            if isinstance(got, OSError):
+                return "corrupt"
+            if got < r.length:
+                return "missing"
+            if isinstance(self.reader.check(buf, 0, r), str):
+                log.error("cold_checksum_failed", key=r.key.hex(), segment=r.segment,
+                          reason="scrub")
+                return "corrupt"
+        return "ok"
+
+    def _moved_since(self, bad: dict[bytes, tuple[RecordRow, str]]) -> list[RecordRow]:
+        """Current rows of `bad` records that now point elsewhere than where they failed;
+        records deleted meanwhile leave `bad` (nothing to report or repair)."""
+        now = self.index.rows(list(bad))
+        for k in [k for k in bad if k not in now]:
+            del bad[k]
+        return [r for k, r in now.items()
+                if (r.segment, r.offset) != (bad[k][0].segment, bad[k][0].offset)]
 
     def stats(self) -> dict[str, Any]:
         n = self.index.count()
