@@ -41,6 +41,7 @@ import structlog
 
 from kvagentd import __version__
 from kvagentd.config import ControlConfig
+from kvagentd.control import acl
 from kvagentd.control.admission import Admission
 from kvagentd.control.authz import AccessPolicy, peer_cred, with_groups
 from kvagentd.control.errors import (ApiError, BadRequest, LengthRequired, NotReady,
@@ -527,6 +528,7 @@ class ControlServer:
             os.umask(old_umask)
         try:
             self._set_socket_permissions()
+            self._grant_operators()
             server.server_activate()
         except BaseException:
             server.server_close()
@@ -659,6 +661,26 @@ class ControlServer:
         except PermissionError as exc:
             log.warning("control_socket_chgrp_failed", group=self.cfg.socket_group,
                         error=exc.strerror)
+
+    def _grant_operators(self) -> None:
+        """Let `control.operator_group` connect without joining `control.socket_group`: an ACL
+        entry on the socket (rw) and its directory (search). See control.acl."""
+        ops = self.cfg.operator_group
+        if not ops or ops == self.cfg.socket_group:
+            return
+        try:
+            gid = grp.getgrnam(ops).gr_gid
+        except KeyError:
+            return  # AccessPolicy already warned: nobody is an operator
+        for path, perm in ((self.path, acl.R | acl.W), (self.path.parent, acl.X)):
+            try:
+                acl.grant_group(path, gid, perm)
+            except OSError as exc:  # no ACLs on this file system, or not ours to change
+                log.warning("control_operator_acl_failed", path=str(path), group=ops,
+                            error=exc.strerror or str(exc),
+                            effect=f"operators also need group {self.cfg.socket_group!r}")
+                return
+        log.info("control_operator_acl", group=ops, socket=str(self.path))
 
     def _remove_own_socket(self) -> None:
         try:

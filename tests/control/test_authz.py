@@ -106,3 +106,48 @@ def test_policy_from_config_with_missing_groups_allows_only_root_and_daemon() ->
     assert not policy.may_read(Peer(1, 1000, 998))
     own = AccessPolicy.from_config("", "", daemon_uid=998, daemon_gid=4242)
     assert own.read_gid == 4242 and own.may_read(Peer(1, 1000, 4242))
+
+
+def test_an_operator_needs_only_the_operator_group(short_dir: Path) -> None:
+    """Finding 4 of issue 13: with the default 0660 socket in a 0750 directory, a member of the
+    operator group alone got EACCES; the daemon's ACL entry lets the group in."""
+    reader, operator = two_groups()
+    os.chmod(short_dir, 0o755)
+    h = start_harness(make_config(short_dir, socket_group=reader.gr_name,
+                                  operator_group=operator.gr_name))
+    try:
+        assert os.stat(h.path).st_mode & 0o777 == 0o660
+        assert os.stat(h.path.parent).st_mode & 0o777 == 0o750
+        status, body = request_as(h.path, "POST", "/test/change", uid=NOBODY, gid=NOBODY,
+                                  groups=[operator.gr_gid])
+        assert status == 200 and body == {"changed": True}
+        status, _ = request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY,
+                               groups=[operator.gr_gid])
+        assert status == 200
+        status, _ = request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY,
+                               groups=[reader.gr_gid])
+        assert status == 200
+        status, _ = request_as(h.path, "GET", "/v1/status", uid=NOBODY, gid=NOBODY, groups=[])
+        assert status == -1  # strangers still stop at the file system
+    finally:
+        h.server.stop(1.0)
+
+
+def test_acl_entries_round_trip_and_keep_the_mode(tmp_path: Path) -> None:
+    from kvagentd.control import acl
+
+    f = tmp_path / "f"
+    f.write_text("x")
+    os.chmod(f, 0o640)
+    acl.grant_group(f, 4242, acl.R | acl.W)
+    assert acl.group_perm(f, 4242) == acl.R | acl.W
+    assert os.stat(f).st_mode & 0o777 == 0o660  # the group bits show the mask
+    acl.grant_group(f, 4343, acl.R)
+    acl.grant_group(f, 4242, acl.R)  # replaced, not added
+    entries = acl.read(f)
+    assert entries[(acl.GROUP, 4242)] == acl.R and entries[(acl.GROUP, 4343)] == acl.R
+    assert entries[(acl.GROUP_OBJ, acl.UNDEFINED_ID)] == acl.R
+    assert entries[(acl.MASK, acl.UNDEFINED_ID)] == acl.R
+    assert acl.decode(acl.encode(entries)) == entries
+    with pytest.raises(ValueError):
+        acl.decode(b"\x02\x00\x00\x00\x01")
