@@ -10,7 +10,8 @@ scheduler on NVMe, no continuous `discard` mount option, a periodic fstrim.
 `apply(report)` writes the two fixable sysfs values. It needs root: the daemon runs
 unprivileged (and systemd makes /sys read-only for it), so it gets `TunePermissionError`; the
 root oneshot `kvagentd-tune.service` (`python -m kvagentd.maintenance.tune --apply`) and the
-udev rule `60-kvagentd-nvme.rules` apply the settings at boot.
+udev rule `60-kvagentd-cold.rules` (written by `make install` for the cold tier's disk) start
+it at boot and whenever that disk appears.
 """
 
 from __future__ import annotations
