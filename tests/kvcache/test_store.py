@@ -196,7 +196,9 @@ def test_readers_wait_for_a_migrating_block(make_store, make_cold):
         assert r.missing_from is None
         assert _values(st, r.slots) == [fill_value(k) for k in keys]
     assert results["r1"].slots == results["r2"].slots
-    assert st.stats()["loaded_cold"] == 2
+    # the records were read once: the second reader waited for the first one's move (both
+    # may count the blocks as loaded from cold, when both looked before the move began)
+    assert st.cold.stats()["reads"] == 2
     st.check_integrity()
 
 
