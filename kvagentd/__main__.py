@@ -1,8 +1,10 @@
-"""`kvagentd run [--config PATH]` and `kvagentd check-config PATH`.
+"""`kvagentd run [--config PATH]`, `kvagentd check-config PATH` and
+`kvagentd diagnose RECORDING`.
 
 Exit codes: 0 clean stop, 78 bad configuration (the message names the field, the value and
 what is allowed), 77 permission denied, 73 control socket in use, 70 other startup failure,
-64 usage.
+64 usage, 65 a recording that cannot be read or lacks its unit or rate (diagnose), 66 no such
+recording.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from kvagentd import __version__
 from kvagentd.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 
 EX_USAGE = 64
+EX_DATAERR = 65
+EX_NOINPUT = 66
 EX_CONFIG = 78
 _CLICK_USAGE = 2
 
@@ -66,6 +70,102 @@ def check_config(path: Annotated[Path, typer.Argument(help="TOML configuration f
     assets = ", ".join(a.name for a in cfg.agent.assets) if cfg.agent.enabled else "disabled"
     typer.echo(f"{path}: ok (model {cfg.model.source}, hot {cfg.kv.hot_bytes} B, "
                f"socket {cfg.control.socket}, agent: {assets})")
+
+
+def _floats(text: str | None, n: int, what: str) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        vals = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != n:
+        typer.echo(f"kvagentd diagnose: {what} needs {n} comma-separated numbers, got {text!r}",
+                   err=True)
+        raise typer.Exit(EX_USAGE)
+    return vals
+
+
+@app.command()
+def diagnose(
+    recording: Annotated[Path, typer.Argument(help="a .npy, .csv or .wav recording")],
+    rpm: Annotated[float | None, typer.Option(help="shaft speed (rpm); default: from the file")] = None,
+    sample_rate: Annotated[float | None, typer.Option(
+        "--sample-rate", help="Hz, when the file does not state it")] = None,
+    unit: Annotated[str | None, typer.Option(
+        help="g, m/s^2 or mm/s, when the file does not state it")] = None,
+    bearing: Annotated[str | None, typer.Option(
+        help="balls,ball_mm,pitch_mm,contact_deg (default 9,7.94,39.04,0: SKF 6205)")] = None,
+    window_s: Annotated[float, typer.Option("--window-s", help="window length (s)")] = 1.0,
+    zones: Annotated[str | None, typer.Option(
+        help="ISO zone limits A/B,B/C,C/D in mm/s (default 1.4,2.8,4.5)")] = None,
+    rpm_tolerance: Annotated[float | None, typer.Option(
+        "--rpm-tolerance", help="how far the true speed may be from --rpm (fraction, 0.03)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per window")] = False,
+) -> None:
+    """Diagnose every window of a recording with the agent's analysis: a table, or JSON lines."""
+    import json
+
+    from kvagentd.agent.offline import asset_for, diagnose_recording
+    from kvagentd.agent.recordings import RecordingError, load_recording
+    from kvagentd.config import BearingConfig
+
+    if not recording.exists():
+        typer.echo(f"kvagentd diagnose: {recording}: no such file", err=True)
+        raise typer.Exit(EX_NOINPUT)
+    try:
+        rec = load_recording(recording, sample_rate_hz=sample_rate, unit=unit)
+    except RecordingError as exc:
+        typer.echo(f"kvagentd diagnose: {exc}", err=True)
+        raise typer.Exit(EX_DATAERR) from None
+    speed = rpm if rpm is not None else rec.rpm
+    if speed is None or not speed > 0:
+        typer.echo("kvagentd diagnose: the shaft speed is unknown: give --rpm (or rpm in the "
+                   "file's JSON sidecar)", err=True)
+        raise typer.Exit(EX_USAGE)
+    b = _floats(bearing, 4, "--bearing")
+    z = _floats(zones, 3, "--zones")
+    if not window_s > 0 or window_s * rec.sample_rate_hz < 64:
+        typer.echo(f"kvagentd diagnose: --window-s {window_s} gives fewer than 64 samples",
+                   err=True)
+        raise typer.Exit(EX_USAGE)
+    if window_s > rec.duration_s:
+        typer.echo(f"kvagentd diagnose: the recording lasts {rec.duration_s:.2f} s, shorter than "
+                   f"one window ({window_s} s)", err=True)
+        raise typer.Exit(EX_DATAERR)
+    if z is not None and not (0 < z[0] < z[1] < z[2]):
+        typer.echo("kvagentd diagnose: --zones must be three increasing positive limits",
+                   err=True)
+        raise typer.Exit(EX_USAGE)
+    try:
+        bearing_cfg = BearingConfig(int(b[0]), b[1], b[2], b[3]) if b else None
+        asset = asset_for(rec, rpm=speed, bearing=bearing_cfg,
+                          zone_limits_mm_s=z if z else None,  # type: ignore[arg-type]
+                          window_s=window_s, rpm_tolerance=rpm_tolerance)
+    except ValueError as exc:
+        typer.echo(f"kvagentd diagnose: {exc}", err=True)
+        raise typer.Exit(EX_USAGE) from None
+    results = list(diagnose_recording(rec, asset))
+    if as_json:
+        for r in results:
+            typer.echo(json.dumps(r.as_dict(), separators=(",", ":")))
+        return
+    typer.echo(f"{rec.path.name}: {rec.duration_s:.1f} s at {rec.sample_rate_hz:g} Hz, "
+               f"{rec.unit} ({rec.kind}), {speed:g} rpm, {len(results)} windows of {window_s:g} s")
+    typer.echo(f"{'win':>4} {'t_s':>7} {'fault':<12} {'sev':<6} {'conf':>4} {'zone':<4} "
+               f"{'rms':>6} {'kurt':>5}  evidence")
+    counts: dict[str, int] = {}
+    for r in results:
+        d = r.diagnosis
+        if d is None:
+            counts["refused"] = counts.get("refused", 0) + 1
+            typer.echo(f"{r.index:>4} {r.t_s:>7.2f} {'REFUSED':<12} {r.refused}")
+            continue
+        counts[d.fault] = counts.get(d.fault, 0) + 1
+        typer.echo(f"{r.index:>4} {r.t_s:>7.2f} {d.fault:<12} {d.severity:<6} "
+                   f"{d.confidence:>4.2f} {d.zone:<4} {d.rms_mm_s:>6.2f} {d.kurtosis:>5.1f}  "
+                   f"{d.summary}")
+    typer.echo("windows: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -163,7 +163,10 @@ class BearingConfig:
 
 @dataclass(frozen=True, slots=True)
 class FaultConfig:
-    kind: Literal["none", "outer_race", "inner_race", "imbalance", "misalignment"] = "none"
+    """A simulated fault (source = "simulated" only)."""
+
+    kind: Literal["none", "outer_race", "inner_race", "ball", "cage", "imbalance", "misalignment",
+                  "looseness"] = "none"
     onset_s: float = field(default=120.0, metadata=_rng(0.0, None))
     growth_per_hour: float = field(default=4.0, metadata=_rng(0.0, 1e6))
     severity: float = field(default=1.0, metadata=_rng(0.0, 1e6))
@@ -183,7 +186,15 @@ class AssetConfig:
     seed: int = 1
     bearing: BearingConfig = BearingConfig()
     fault: FaultConfig = FaultConfig()
+    # Fraction by which the true shaft speed may differ from `rpm` (slip, drive setpoint): the
+    # diagnosis measures the speed within it, and refuses a window whose spectrum points to a
+    # speed outside it (a wrong sample rate or rpm).
+    rpm_tolerance: float = field(default=0.03, metadata=_rng(0.001, 0.5))
+    # The first `baseline_s` seconds of healthy windows teach the asset's normal levels.
+    baseline_s: float = field(default=4 * 3600.0, metadata=_rng(0.0, None))
     replay_path: Path | None = None
+    # Unit of a replay file's samples when the file does not say ("" = the unit of `signal`).
+    replay_unit: Literal["", "g", "m/s^2", "mm/s"] = ""
     mqtt_host: str = "127.0.0.1"
     mqtt_port: int = field(default=1883, metadata=_rng(1, 65535))
     mqtt_topic: str = ""
@@ -198,6 +209,15 @@ class AgentConfig:
     report_max_tokens: int = field(default=200, metadata=_rng(1, 32768))
     weekly_report_cron: CronText = CronText("0 6 * * 1")  # crontab (MIN HOUR DAY MONTH DOW), local
     report_period_s: float = field(default=7 * 86400.0, metadata=_rng(60.0, None))
+    # Event log retention: every row for `events_raw_retention_s`, then anomalies only (and the
+    # per-minute summaries) until `events_retention_s`.
+    events_raw_retention_s: float = field(default=2 * 86400.0, metadata=_rng(3600.0, None))
+    events_retention_s: float = field(default=90 * 86400.0, metadata=_rng(3600.0, None))
+    # Raw windows kept for reports: anomalies (at most one per asset per
+    # `anomaly_window_interval_s`) and one normal window per `normal_window_interval_s`.
+    windows_store_bytes: ByteSize = field(default=ByteSize(256 << 20), metadata=_rng(1 << 20, None))
+    anomaly_window_interval_s: float = field(default=60.0, metadata=_rng(0.0, None))
+    normal_window_interval_s: float = field(default=3600.0, metadata=_rng(1.0, None))
     assets: tuple[AssetConfig, ...] = (AssetConfig(),)
 
 
@@ -416,10 +436,18 @@ def _cross_checks(cfg: Config) -> None:
     for i, a in enumerate(cfg.agent.assets):
         if a.source == "replay" and a.replay_path is None:
             raise ConfigError(f"agent.assets[{i}].replay_path", None,
-                              "a .csv or .npy file when source = 'replay'")
+                              "a .npy, .csv or .wav file when source = 'replay'")
+        if a.replay_path is not None and a.replay_path.suffix.lower() not in (".npy", ".csv",
+                                                                             ".wav"):
+            raise ConfigError(f"agent.assets[{i}].replay_path", str(a.replay_path),
+                              "a .npy, .csv or .wav file")
         if a.source == "mqtt" and not a.mqtt_topic:
             raise ConfigError(f"agent.assets[{i}].mqtt_topic", "",
                               "a topic when source = 'mqtt'")
+    if cfg.agent.events_retention_s < cfg.agent.events_raw_retention_s:
+        raise ConfigError("agent.events_retention_s", cfg.agent.events_retention_s,
+                          f"a number >= agent.events_raw_retention_s "
+                          f"({cfg.agent.events_raw_retention_s})")
     if cfg.placement.warm_factor > cfg.placement.hot_factor:
         raise ConfigError("placement.warm_factor", cfg.placement.warm_factor,
                           f"a number <= placement.hot_factor ({cfg.placement.hot_factor})")

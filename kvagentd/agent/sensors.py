@@ -7,15 +7,10 @@ expectations. Reasons (the keys of the per-asset bad-sample counters): `nonfinit
 0.5 %), `silent` (a constant signal: a dead sensor or cable), `stale` (no fresh data), `decode`
 (an undecodable message), `missing` (no data at all yet), `io` (a replay file cannot be read).
 
-- `simulated`: a physical model of a rotating machine, deterministic for (seed, now). Shaft rate
-  fr = rpm / 60: 1x (imbalance) and 2x (misalignment) velocity harmonics; a bearing defect is a
-  train of impacts at BPFO (outer race) or BPFI (inner race, amplitude-modulated at 1x) with 1 %
-  timing jitter, each ringing a structural resonance (decaying sinusoid, 3.5 kHz, 5 % damping);
-  broadband noise. Faults (`asset.fault`) start at `onset_s` after the source's start time and
-  grow by `growth_per_hour` (x severity) per hour. Time comes from the `now` passed in, so a
-  simulated clock works.
-- `replay`: a `.npy` (1-D float array) or `.csv` (first column, `#` comments and a non-numeric
-  header line skipped) of samples at `asset.sample_rate_hz`, served window after window, looping.
+- `simulated` (`kvagentd.agent.simulator`): a physical model of a rotating machine with the
+  fault kinds of the diagnosis vocabulary, deterministic for (seed, now).
+- `replay` (`kvagentd.agent.replay`): a recorded .npy/.csv/.wav file with its unit and rate,
+  window after window, looping; events say when it wraps.
 - `mqtt`: a paho-mqtt 2.x subscriber to `asset.mqtt_topic`; the latest message is the window.
   Payload, either
     * JSON: `{"sample_rate": 12000, "kind": "acceleration"|"velocity", "samples": [floats],
@@ -29,24 +24,23 @@ expectations. Reasons (the keys of the per-asset bad-sample counters): `nonfinit
 from __future__ import annotations
 
 import json
-import math
 import struct
 import threading
 import time
 from abc import ABC, abstractmethod
-from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import structlog
 
-from kvagentd.agent.features import Window, bearing_frequencies
+from kvagentd.agent.features import Window
 from kvagentd.config import AssetConfig
 
 log = structlog.get_logger(__name__)
 
 BINARY_HEADER = struct.Struct("<4sdB3xI")
 BINARY_MAGIC = b"KVS1"
-KINDS = ("acceleration", "velocity")
+KINDS: tuple[Literal["acceleration"], Literal["velocity"]] = ("acceleration", "velocity")
 RATE_TOLERANCE = 0.005
 
 
@@ -63,10 +57,10 @@ class SensorSource(ABC):
     def read_window(self, now: float) -> Window:
         """The window ending at `now`; raises BadData when there is none usable."""
 
-    def start(self) -> None:
+    def start(self) -> None:  # noqa: B027 - an optional hook
         """Open connections (default: nothing)."""
 
-    def stop(self) -> None:
+    def stop(self) -> None:  # noqa: B027 - an optional hook
         """Close connections (default: nothing)."""
 
 
@@ -90,154 +84,6 @@ def validate(window: Window, asset: AssetConfig) -> None:
 
 def expected_length(asset: AssetConfig) -> int:
     return int(round(asset.window_s * asset.sample_rate_hz))
-
-
-# ------------------------------------------------------------------------------------------
-# simulated
-# ------------------------------------------------------------------------------------------
-
-RESONANCE_HZ = 3500.0
-RESONANCE_DAMPING = 0.05
-BASE_1X_MM_S = 0.9  # RMS velocity of the healthy 1x component
-BASE_2X_MM_S = 0.25
-NOISE_M_S2 = 0.4  # RMS of the broadband acceleration noise
-IMPACT_M_S2 = 3.0  # impact ringing amplitude at fault level 1
-IMBALANCE_MM_S = 1.2  # added 1x RMS velocity per fault level
-MISALIGN_MM_S = 1.0  # added 2x RMS velocity per fault level
-
-
-class SimulatedSource(SensorSource):
-    """Deterministic machine model (see module docstring); `start_time` anchors fault onset."""
-
-    def __init__(self, asset: AssetConfig, start_time: float) -> None:
-        self.asset = asset
-        self.start_time = start_time
-
-    def fault_level(self, now: float) -> float:
-        f = self.asset.fault
-        age = now - self.start_time - f.onset_s
-        if f.kind == "none" or age < 0:
-            return 0.0
-        return f.severity * (1.0 + f.growth_per_hour * age / 3600.0)
-
-    def read_window(self, now: float) -> Window:
-        a = self.asset
-        fs = a.sample_rate_hz
-        n = expected_length(a)
-        t0 = now - a.window_s
-        t = t0 + np.arange(n) / fs
-        # Seeded by (seed, window start in ms): the same time gives the same window.
-        rng = np.random.default_rng([a.seed, int(round(t0 * 1000)) & 0xFFFFFFFFFFFF])
-        fr = a.rpm / 60.0
-        level = self.fault_level(now)
-        kind = a.fault.kind
-        v1 = BASE_1X_MM_S + (IMBALANCE_MM_S * level if kind == "imbalance" else 0.0)
-        v2 = BASE_2X_MM_S + (MISALIGN_MM_S * level if kind == "misalignment" else 0.0)
-        v3 = 0.4 * MISALIGN_MM_S * level if kind == "misalignment" else 0.0
-        phase = rng.uniform(0, 0.2)  # small phase wander; harmonics stay coherent with time
-        vel = np.zeros(n)
-        for h, v_rms in ((1, v1), (2, v2), (3, v3)):
-            if v_rms > 0:
-                vel += math.sqrt(2) * v_rms * np.sin(2 * np.pi * h * fr * t + h * phase)
-        if a.signal == "acceleration":
-            # d/dt of the velocity harmonics, mm/s -> m/s^2.
-            acc = np.zeros(n)
-            for h, v_rms in ((1, v1), (2, v2), (3, v3)):
-                if v_rms > 0:
-                    w = 2 * np.pi * h * fr
-                    acc += math.sqrt(2) * v_rms / 1000.0 * w * np.cos(w * t + h * phase)
-            acc += rng.normal(0.0, NOISE_M_S2, n)
-            if kind in ("outer_race", "inner_race") and level > 0:
-                acc += self._impacts(t, t0, fs, level, rng)
-            x = acc
-        else:
-            x = vel + rng.normal(0.0, NOISE_M_S2 * 0.05, n)
-        return Window(samples=x.astype(np.float64), sample_rate=fs, kind=a.signal, t0=t0)
-
-    def _impacts(self, t: np.ndarray, t0: float, fs: float, level: float,
-                 rng: np.random.Generator) -> np.ndarray:
-        a = self.asset
-        freqs = bearing_frequencies(a.bearing, a.rpm)
-        f_def = freqs.bpfo if a.fault.kind == "outer_race" else freqs.bpfi
-        period = 1.0 / f_def
-        ring_s = 5.0 / (RESONANCE_DAMPING * 2 * np.pi * RESONANCE_HZ)  # until e^-5
-        k0 = math.floor((t0 - ring_s) / period)
-        k1 = math.ceil((t0 + t.size / fs) / period)
-        times = np.arange(k0, k1 + 1) * period
-        times = times + rng.normal(0.0, 0.01 * period, times.size)
-        amps = np.full(times.size, IMPACT_M_S2 * level)
-        if a.fault.kind == "inner_race":
-            # The defect rotates with the shaft: load-zone modulation at 1x.
-            amps *= 0.6 + 0.4 * np.cos(2 * np.pi * (a.rpm / 60.0) * times)
-        out = np.zeros(t.size)
-        ring_n = int(ring_s * fs) + 1
-        tau = np.arange(ring_n) / fs
-        decay = 2 * np.pi * RESONANCE_HZ * RESONANCE_DAMPING
-        for ti, ai in zip(times, amps):
-            i0 = int(math.ceil((ti - t0) * fs))
-            start = max(i0, 0)
-            stop = min(i0 + ring_n, t.size)
-            if stop <= start:
-                continue
-            dt = tau[start - i0:stop - i0] + (i0 / fs - (ti - t0))
-            out[start:stop] += ai * np.exp(-decay * dt) * np.sin(2 * np.pi * RESONANCE_HZ * dt)
-        return out
-
-
-# ------------------------------------------------------------------------------------------
-# replay
-# ------------------------------------------------------------------------------------------
-
-def load_samples(path: Path) -> np.ndarray:
-    """Samples of a .npy or .csv file as float64 (see module docstring)."""
-    if path.suffix == ".npy":
-        data = np.load(path, allow_pickle=False)
-        return np.asarray(data, dtype=np.float64).reshape(-1)
-    values: list[float] = []
-    with path.open(encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            first = line.split(",")[0].strip()
-            try:
-                values.append(float(first))
-            except ValueError:
-                if values:
-                    raise
-                continue  # a header line
-    return np.asarray(values, dtype=np.float64)
-
-
-class ReplaySource(SensorSource):
-    """Consecutive windows of a recorded file, looping at its end."""
-
-    def __init__(self, asset: AssetConfig) -> None:
-        self.asset = asset
-        self._data: np.ndarray | None = None
-        self._pos = 0
-
-    def start(self) -> None:
-        if self.asset.replay_path is None:
-            raise BadData("io", "no replay_path")
-        self._data = load_samples(Path(self.asset.replay_path))
-
-    def read_window(self, now: float) -> Window:
-        if self._data is None:
-            try:
-                self.start()
-            except (OSError, ValueError) as exc:
-                raise BadData("io", str(exc)) from exc
-        data = self._data
-        assert data is not None
-        n = expected_length(self.asset)
-        if data.size < n:
-            raise BadData("length", f"file holds {data.size} samples, a window needs {n}")
-        if self._pos + n > data.size:
-            self._pos = 0
-        x = data[self._pos:self._pos + n]
-        self._pos += n
-        return Window(x, self.asset.sample_rate_hz, self.asset.signal, now - self.asset.window_s)
 
 
 # ------------------------------------------------------------------------------------------
@@ -357,8 +203,13 @@ class MqttSource(SensorSource):
 
 def make_source(asset: AssetConfig, *, start_time: float, stale_after_s: float,
                 clock=time.time) -> SensorSource:
+    # NOTE: imported here: both sources build on this module's SensorSource.
     if asset.source == "simulated":
+        from kvagentd.agent.simulator import SimulatedSource
+
         return SimulatedSource(asset, start_time)
     if asset.source == "replay":
+        from kvagentd.agent.replay import ReplaySource
+
         return ReplaySource(asset)
     return MqttSource(asset, stale_after_s=stale_after_s, clock=clock)

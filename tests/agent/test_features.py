@@ -5,19 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from kvagentd.agent.features import (Window, bearing_frequencies, envelope_spectrum, extract,
-                                     iso_zone, rms_velocity_mm_s)
-from kvagentd.config import AssetConfig, BearingConfig
+from kvagentd.agent.features import Window, extract, iso_zone, rms_velocity_mm_s
+from kvagentd.config import AssetConfig
 
 FS = 12000.0
-
-
-def test_bearing_frequencies_6205_at_1797_rpm():
-    bf = bearing_frequencies(BearingConfig(), 1797.0)
-    assert bf.bpfo == pytest.approx(107.36, abs=0.01)
-    assert bf.bpfi == pytest.approx(162.19, abs=0.01)
-    assert bf.bsf == pytest.approx(70.58, abs=0.01)
-    assert bf.ftf == pytest.approx(11.93, abs=0.01)
 
 
 @pytest.mark.parametrize("freq", [29.95, 50.0, 123.4, 600.0])
@@ -44,32 +35,11 @@ def test_out_of_band_components_are_excluded():
     assert rms_velocity_mm_s(v, FS, "velocity") == pytest.approx(3.0 / math.sqrt(2), rel=0.02)
 
 
-def test_impulse_train_at_bpfo_peaks_at_bpfo_in_envelope_spectrum():
-    asset = AssetConfig()
-    bpfo = bearing_frequencies(asset.bearing, asset.rpm).bpfo
-    n = int(FS)
-    x = np.random.default_rng(0).normal(0, 0.2, n)
-    ring = np.arange(60) / FS
-    burst = np.exp(-1100 * ring) * np.sin(2 * np.pi * 3500 * ring)
-    for k in np.arange(0, 1.0, 1.0 / bpfo):
-        i = int(k * FS)
-        x[i:i + 60] += 4.0 * burst[: max(0, min(60, n - i))]
-    f, amp = envelope_spectrum(x, FS)
-    band = (f > 20) & (f < 500)
-    peak_f = f[band][np.argmax(amp[band])]
-    assert abs(peak_f - bpfo) <= 1.0
-    feats = extract(Window(x, FS, "acceleration", 0.0), asset)
-    assert feats.envelope_ratio["BPFO"] > 6 * feats.envelope_ratio["BPFI"]
-    assert feats.anomaly and feats.zone == "A"
-    assert feats.kurtosis > 5
-
-
-def test_gaussian_noise_kurtosis_is_about_three_and_not_anomalous():
+def test_gaussian_noise_kurtosis_is_about_three():
     x = np.random.default_rng(7).normal(0.0, 1.0, int(FS))
     f = extract(Window(x, FS, "acceleration", 0.0), AssetConfig())
     assert f.kurtosis == pytest.approx(3.0, abs=0.15)
     assert f.crest == pytest.approx(f.peak / x.std(), rel=0.01)
-    assert not f.anomaly
 
 
 @pytest.mark.parametrize("rms,zone", [
@@ -79,11 +49,10 @@ def test_zone_boundaries(rms, zone):
     assert iso_zone(rms, (1.4, 2.8, 4.5)) == zone
 
 
-def test_zone_from_per_asset_limits_and_anomaly_at_c():
+def test_zone_from_per_asset_limits():
     t = np.arange(int(FS)) / FS
     v = 3.5 * math.sqrt(2) * np.sin(2 * np.pi * 30 * t)  # 3.5 mm/s RMS
     rigid = extract(Window(v, FS, "velocity", 0.0), AssetConfig())
     flexible = extract(Window(v, FS, "velocity", 0.0),
                        AssetConfig(zone_limits_mm_s=(2.3, 4.5, 7.1)))
-    assert (rigid.zone, rigid.anomaly) == ("C", True)
-    assert (flexible.zone, flexible.anomaly) == ("B", False)
+    assert rigid.zone == "C" and flexible.zone == "B"
