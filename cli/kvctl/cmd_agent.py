@@ -159,21 +159,26 @@ def _render_events(r: dict[str, Any]) -> str:
     rows = []
     for e in r["events"]:
         f = e.get("features") or {}
-        ratios = f.get("envelope_ratio") or {}
+        d = e.get("diagnosis") or {}
+        ratios = d.get("ratios") or {}
         top = max(ratios.items(), key=lambda kv: kv[1]) if ratios else None
+        fault = e.get("fault")
         rows.append({
             "id": e["id"], "time": _when(e["t"]), "asset": e["asset"],
             "zone": e.get("zone") or "-",
             "rms": f"{f['rms_mm_s']:.2f}" if "rms_mm_s" in f else "-",
             "kurt": f"{f['kurtosis']:.1f}" if "kurtosis" in f else "-",
             "env": f"{top[0]} {top[1]:.1f}x" if top else "-",
-            "flag": "ANOMALY" if e.get("anomaly") else ("bad data" if e["kind"] == "bad_data"
-                                                         else ""),
-            "text": (e.get("assessment") or e.get("note") or "")[:60],
+            "fault": ("bad data" if e["kind"] == "bad_data" else
+                      f"{fault} ({e.get('severity')})" if fault and fault != "none" else
+                      (fault or "")),
+            "text": ("model: " + e["assessment"] if e.get("assessment") else
+                     e.get("note") or "")[:70],
         })
     return render.table(rows, [("id", "id"), ("time", "time"), ("asset", "asset"),
                                ("zone", "zone"), ("rms", "rms mm/s"), ("kurt", "kurt"),
-                               ("env", "envelope"), ("flag", "flag"), ("text", "assessment")])
+                               ("env", "top envelope line"), ("fault", "diagnosis"),
+                               ("text", "commentary / note")])
 
 
 def _render_report(doc: dict[str, Any]) -> str:

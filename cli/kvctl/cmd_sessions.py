@@ -9,7 +9,8 @@ from typing import Annotated, Any
 import typer
 
 from kvctl import render
-from kvctl.common import JsonOpt, SocketOpt, TimeoutOpt, call, fail, opts, stream, EX_FAILURE
+from kvctl.common import (EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, fail, opts, stream,
+                          usage_error)
 
 ASK_TIMEOUT_S = 300.0
 
@@ -42,16 +43,28 @@ def ask(ctx: typer.Context,
         ] = False,
         fork_as: Annotated[str | None, typer.Option(
             "--as", help="id of the new session with --fork [default: <user>@SESSION]")] = None,
+        asset: Annotated[str | None, typer.Option(
+            "--asset", "-a", help="ask about this asset: its latest measured diagnosis is the "
+                                  "context, and the answer is shown only if it agrees with it "
+                                  "(in the daemon's session ASSET:ask:<your user name>)")
+        ] = None,
         max_tokens: Annotated[int | None, typer.Option(
             "--max-tokens", "-n", min=1, help="answer length limit [default: the daemon's]")
         ] = None,
         socket: SocketOpt = None, json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
-    """Ask a question in a session of yours; prints the answer as it is generated."""
+    """Ask a question in a session of yours; prints the answer as it is generated. With
+    --asset the asset's measured diagnosis comes first and the answer is checked against it."""
     o = opts(ctx, socket, json_out, timeout if timeout is not None else ASK_TIMEOUT_S)
     sid = session or default_session()
     body: dict[str, Any] = {"question": question}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
+    if asset is not None:
+        if session is not None or fork:
+            usage_error(o, "--asset asks in the daemon's session for you and that asset; "
+                           "it takes no --session or --fork")
+        render.emit(o, call(o, "POST", f"/v1/assets/{asset}/ask", body=body), _render_asset_ask)
+        return
     if fork_as is not None:
         body["session"] = fork_as
     route = f"/v1/sessions/{sid}/fork" if fork else f"/v1/sessions/{sid}/ask"
@@ -75,6 +88,18 @@ def ask(ctx: typer.Context,
     typer.echo("")
     if final is not None:
         typer.echo(_ask_footer(final), err=True)
+
+
+def _render_asset_ask(r: dict[str, Any]) -> str:
+    d = r.get("diagnosis") or {}
+    lines = [f"{r['asset']}: {d.get('summary') or 'no measurement yet'}"]
+    if d.get("action"):
+        lines.append(f"what to do: {d['action']}")
+    if r.get("commentary"):
+        lines.append(f"commentary (model): {r['commentary']}")
+    else:
+        lines.append(f"commentary withheld: {r.get('reason')}")
+    return "\n".join(lines)
 
 
 def _ask_footer(r: dict[str, Any]) -> str:

@@ -1,81 +1,56 @@
-"""The agent service: per-asset tick jobs, rolling sessions, reports.
+"""The agent service: per-asset tick jobs, measured diagnoses, rolling sessions, reports.
 
 One tick (`tick_once(asset)`), top-down:
-    read window -> validate -> features -> event row -> observation turn appended to the asset's
-    session -> executor (TICK priority, bounded tokens) -> assessment stored on the row.
-A window that cannot be read or fails validation becomes a `bad_data` row and a per-asset
-counter; nothing in a tick raises to the scheduler.
+    read window -> validate -> diagnose (features, spectra, speed check, fault, baseline,
+    trends) -> event row -> raw window kept when due -> observation turn (time + diagnosis)
+    appended to the asset's session -> `ModelClient.submit_tick` -> the model's commentary
+    checked against the diagnosis (`grounding.check`) -> shown or withheld on the row.
+A window that cannot be read, fails validation, or whose spectrum contradicts the stated shaft
+speed becomes a `bad_data` row and a per-asset counter; nothing in a tick raises to the
+scheduler. A withheld commentary also rolls the session over, so the contradicting text is
+not in the context of later turns.
 
 Sessions are named `<asset>-<n>`. A session grows by one turn per tick; when the next turn would
 pass `agent.session_token_budget` it rolls over: `<asset>-<n+1>` starts with the shared system
 prompt (`prompts.SYSTEM_PROMPT`), the asset profile and a deterministic summary of the recent
-event rows. Old sessions are never dropped by the agent (anomaly replay resumes them; placement
-ages them into the cold tier). After a restart numbering continues past the highest session in
-the event log.
+measurements and diagnoses. Old sessions are never dropped by the agent (anomaly replay resumes
+them; placement ages them into the cold tier). After a restart numbering continues past the
+highest session recorded in the event log.
+
+`ask(asset, question)` answers an operator's question about an asset with its latest diagnosis
+as context; the answer is checked like a tick's commentary.
 
 The LLM step is skipped for assets with `llm = false` and for every asset when there is no
-executor (`model.source = "none"`): ticks then only log features.
+executor (`model.source = "none"`): ticks then only diagnose.
 """
 
 from __future__ import annotations
 
-import collections
 import re
-import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 import structlog
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 
-from kvagentd.agent import jobs, prompts
+from kvagentd.agent import grounding, jobs, prompts
+from kvagentd.agent.diagnosis.diagnoser import Diagnoser, SpeedRefused
 from kvagentd.agent.events import EventLog
-from kvagentd.agent.features import extract
-from kvagentd.agent.model_client import Completion, Executor, ModelClient
+from kvagentd.agent.model_client import Executor, ModelClient
 from kvagentd.agent.reports import ReportWriter
-from kvagentd.agent.sensors import BadData, SensorSource, make_source, validate
-from kvagentd.config import AgentConfig, AssetConfig, Config
+from kvagentd.agent.sensors import BadData, make_source, validate
+from kvagentd.agent.state import AssetState
+from kvagentd.agent.windows import WindowStore
+from kvagentd.config import AgentConfig, Config
+from kvagentd.engine.executor import Priority
 
 log = structlog.get_logger(__name__)
 
-LATENCY_WINDOW = 1000  # tick latencies kept per asset for p50/p99
 SUMMARY_ROWS = 20  # event rows summarized into a new session
+TREND_SEED_S = 25 * 3600.0  # per-minute summaries loaded into the trends at start
 _SESSION_RE = re.compile(r"^(?P<asset>.+)-(?P<n>\d+)$")
-
-
-@dataclass(slots=True)
-class AssetState:
-    asset: AssetConfig
-    source: SensorSource
-    session_index: int
-    session_tokens: int = 0  # tokens of the current session (prompt + answer of the last turn)
-    turn_tokens: int = 0  # growth of the session by the last tick
-    force_rollover: bool = False
-    closed: bool = False
-    ticks: int = 0
-    skipped: int = 0
-    missed: int = 0
-    rollovers: int = 0
-    llm_errors: int = 0
-    bad: collections.Counter = field(default_factory=collections.Counter)
-    latencies: collections.deque = field(
-        default_factory=lambda: collections.deque(maxlen=LATENCY_WINDOW))
-    last_zone: str | None = None
-    last_t: float | None = None
-    last_assessment: str | None = None
-    last_assessment_t: float | None = None
-    last_result: dict[str, Any] | None = None
-    loaded: collections.Counter = field(default_factory=collections.Counter)  # blocks by tier
-    reused_tokens: int = 0
-    prompt_tokens: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def session(self) -> str:
-        return f"{self.asset.name}-{self.session_index}"
 
 
 class Agent:
@@ -92,20 +67,28 @@ class Agent:
         self.state_dir = Path(state_dir)
         self.clock = clock
         self.events = EventLog(self.state_dir / "events.sqlite")
+        self.windows = WindowStore(self.state_dir / "windows",
+                                   max_bytes=config.windows_store_bytes,
+                                   anomaly_interval_s=config.anomaly_window_interval_s,
+                                   normal_interval_s=config.normal_window_interval_s)
         self.reports = ReportWriter(
             self.state_dir / "reports", events=self.events,
             assets={a.name: a for a in config.assets},
             generate=self.model.generate if self.model is not None else None, clock=clock,
             store_stats=store_stats, retire_session=self.retire_session,
-            period_s=config.report_period_s)
+            period_s=config.report_period_s, windows=self.windows)
         self.started_at: float | None = None
         self._running = False
+        self._asked: set[str] = set()
         start = clock()
-        stale = max(2.0 * config.tick_interval_s, 2.0) + max((a.window_s for a in config.assets), default=1.0)
+        stale = max(2.0 * config.tick_interval_s, 2.0) + max(
+            (a.window_s for a in config.assets), default=1.0)
         self.assets: dict[str, AssetState] = {}
         for a in config.assets:
             src = make_source(a, start_time=start, stale_after_s=stale, clock=clock)
-            self.assets[a.name] = AssetState(a, src, self._next_session_index(a.name))
+            diag = Diagnoser(a, self.state_dir / "baselines" / f"{a.name}.json")
+            diag.seed(self.events.minutes(a.name, start - TREND_SEED_S, start + 1.0))
+            self.assets[a.name] = AssetState(a, src, diag, self._next_session_index(a.name))
 
     # -------------------------------------------------------------------------------- lifecycle
 
@@ -128,16 +111,18 @@ class Agent:
         """Remove the jobs, wait for a tick in flight and for running reports, close."""
         self._running = False
         self.scheduler.remove_listener(self._on_scheduler_event)
-        for name in self.assets:
-            for jid in (jobs.tick_job_id(name), jobs.weekly_job_id(name)):
-                if self.scheduler.get_job(jid) is not None:
-                    self.scheduler.remove_job(jid)
+        for jid in (*(j for name in self.assets for j in (jobs.tick_job_id(name),
+                                                          jobs.weekly_job_id(name))),
+                    jobs.PRUNE_JOB_ID):
+            if self.scheduler.get_job(jid) is not None:
+                self.scheduler.remove_job(jid)
         self.reports.wait(timeout=30.0)
         for st in self.assets.values():
             with st.lock:  # a tick in flight finishes first; later ones see `closed`
                 st.closed = True
         for st in self.assets.values():
             st.source.stop()
+            st.diagnoser.close()
         self.events.close()
         log.info("agent.stopped")
 
@@ -168,6 +153,16 @@ class Agent:
                 self.reports.run_weekly, trigger, args=(name,), id=jobs.weekly_job_id(name),
                 name=f"weekly report {name}", max_instances=1, coalesce=True,
                 misfire_grace_time=3600, replace_existing=True)
+        self.scheduler.add_job(self.prune, "interval", seconds=jobs.PRUNE_INTERVAL_S,
+                               id=jobs.PRUNE_JOB_ID, name="event log retention",
+                               max_instances=1, coalesce=True, replace_existing=True)
+
+    def prune(self) -> dict[str, int]:
+        """Apply the event log's retention (`agent.events_*retention_s`)."""
+        done = self.events.prune(self.clock(), self.config.events_raw_retention_s,
+                                 self.config.events_retention_s)
+        log.info("agent.events_pruned", **done)
+        return done
 
     def _on_scheduler_event(self, event: JobExecutionEvent) -> None:
         if not event.job_id.startswith(jobs.TICK_PREFIX):
@@ -198,6 +193,15 @@ class Agent:
                 raise RuntimeError("the agent is stopped")
             return self._tick(st)
 
+    def _bad(self, st: AssetState, now: float, t0: float, reason: str, detail: str
+             ) -> dict[str, Any]:
+        st.bad[reason] += 1
+        eid = self.events.append(t=now, asset=st.asset.name, kind="bad_data",
+                                 note=f"{reason}: {detail}")
+        self.events.complete(eid, assessment=None, latency_s=time.perf_counter() - t0)
+        log.info("agent.bad_data", asset=st.asset.name, reason=reason, detail=detail)
+        return self.events.get(eid) or {}
+
     def _tick(self, st: AssetState) -> dict[str, Any]:
         a = st.asset
         t0 = time.perf_counter()
@@ -206,26 +210,58 @@ class Agent:
         try:
             window = st.source.read_window(now)
             validate(window, a)
+            diagnosis = st.diagnoser.diagnose(window, now)
         except BadData as exc:
-            st.bad[exc.reason] += 1
-            eid = self.events.append(t=now, asset=a.name, kind="bad_data",
-                                     note=f"{exc.reason}: {exc.detail}")
-            self.events.complete(eid, assessment=None, latency_s=time.perf_counter() - t0)
-            log.info("agent.bad_data", asset=a.name, reason=exc.reason, detail=exc.detail)
-            return self.events.get(eid) or {}
-        feats = extract(window, a)
-        st.last_zone, st.last_t = feats.zone, now
+            return self._bad(st, now, t0, exc.reason, exc.detail)
+        except SpeedRefused as exc:
+            return self._bad(st, now, t0, "speed", str(exc))
+        d = diagnosis.as_dict()
+        assert st.diagnoser.last is not None
+        features: dict[str, Any] = st.diagnoser.last.features.as_dict()
+        note = ""
+        if window.offset is not None:
+            features.update(replay_offset=window.offset, replay_pass=window.passes + 1)
+            note = f"replay offset {window.offset}" + (
+                f", pass {window.passes + 1}: the recording has wrapped around"
+                if window.passes else "")
+        st.last_zone, st.last_t, st.last_diagnosis = diagnosis.zone, now, d
         use_llm = a.llm and self.model is not None
-        turn = self._next_turn(st, now, prompts.observation(now, feats)) if use_llm else None
-        eid = self.events.append(t=now, asset=a.name, features=feats.as_dict(), zone=feats.zone,
-                                 anomaly=feats.anomaly, session=turn[0] if turn else None)
-        assessment, note = None, None
+        turn = self._next_turn(st, now, prompts.observation(now, d)) if use_llm else None
+        eid = self.events.append(t=now, asset=a.name, features=features, zone=diagnosis.zone,
+                                 anomaly=diagnosis.anomaly, session=turn[0] if turn else None,
+                                 note=note, diagnosis=d)
+        self.windows.offer(a.name, eid, now, window, diagnosis.anomaly)
+        commentary, withheld = None, False
         if turn is not None:
-            assessment, note = self._assess(st, *turn)
+            commentary, withheld, why = self._comment(st, d, *turn)
+            if why:
+                note = f"{note}; {why}" if note else why
         latency = time.perf_counter() - t0
         st.latencies.append(latency)
-        self.events.complete(eid, assessment=assessment, latency_s=latency, note=note)
+        self.events.complete(eid, assessment=commentary, latency_s=latency, note=note or None,
+                             withheld=withheld)
         return self.events.get(eid) or {}
+
+    def _comment(self, st: AssetState, d: dict[str, Any], session: str, text: str,
+                 system: str | None) -> tuple[str | None, bool, str | None]:
+        """The model's commentary on this tick: (text shown, withheld?, note)."""
+        assert self.model is not None
+        done = self.model.submit_tick(session, text, system)
+        st.account(done, self.clock())
+        if done.error is not None:
+            return None, False, done.error
+        st.commentaries += 1
+        verdict = grounding.check(done.text, d, text)
+        if not verdict.ok:
+            st.withheld += 1
+            # NOTE: the contradicting text is in this session's KV; a new session keeps it out
+            # of the context of later turns.
+            st.force_rollover = True
+            log.debug("agent.commentary_withheld", asset=st.asset.name, reason=verdict.reason,
+                     text=done.text)
+            return None, True, f"commentary withheld: {verdict.reason}"
+        st.last_assessment, st.last_assessment_t = done.text, self.clock()
+        return done.text, False, None
 
     def _next_turn(self, st: AssetState, now: float, obs: str) -> tuple[str, str, str | None]:
         """(session, user text, system prompt or None): rolls over when the budget is reached."""
@@ -236,39 +272,40 @@ class Agent:
             st.session_tokens = st.turn_tokens = 0
             st.force_rollover = False
             st.rollovers += 1
-            log.info("agent.rollover", asset=st.asset.name, session=st.session)
+            log.debug("agent.rollover", asset=st.asset.name, session=st.session)
         if st.session_tokens == 0:
+            self.events.set_meta(f"session:{st.asset.name}", str(st.session_index))
             recent = prompts.summary(st.asset.name, self.events.recent(st.asset.name, SUMMARY_ROWS))
             return st.session, prompts.first_turn(st.asset, recent, obs, now), prompts.SYSTEM_PROMPT
         return st.session, obs, prompts.SYSTEM_PROMPT
 
-    def _assess(self, st: AssetState, session: str, text: str,
-                system: str | None) -> tuple[str | None, str | None]:
-        """Submit the turn (`ModelClient.submit_tick`); returns (assessment, error note)."""
-        assert self.model is not None
-        done = self.model.submit_tick(session, text, system)
-        self._account(st, done)
-        return done.text, done.error
+    # -------------------------------------------------------------------------------- questions
 
-    def _account(self, st: AssetState, done: Completion) -> None:
-        """Record a tick's completion on the asset's state (session size, reuse, errors)."""
+    def ask(self, asset: str, question: str, *, session: str | None = None,
+            max_tokens: int | None = None) -> dict[str, Any]:
+        """Answer an operator's question about `asset` with its latest diagnosis as context.
+
+        Raises KeyError (unknown asset) and LookupError (no model); the generation's own
+        failures (queue full ...) propagate. The answer is checked like a tick's commentary.
+        """
+        st = self.assets[asset]
+        if self.model is None:
+            raise LookupError("no model is loaded: questions need the LLM")
+        sid = session or f"{asset}:ask:daemon"
+        d, t = st.last_diagnosis, st.last_t or self.clock()
+        context = prompts.ask_context(asset, t, d)
+        if sid not in self._asked:
+            context = f"{prompts.asset_profile(st.asset)}\n{context}"
+        text = f"{context}\nQuestion: {question.strip()}"
+        done = self.model.generate(sid, text, prompts.SYSTEM_PROMPT, priority=Priority.ASK,
+                                   max_new_tokens=max_tokens)
+        self._asked.add(sid)
+        verdict = grounding.check(done.text, d or {"fault": "none", "zone": "A"}, text)
         res = done.result
-        if res is None:
-            st.llm_errors += 1
-            return
-        total = int(res.prompt_tokens) + int(res.new_tokens)
-        st.turn_tokens = max(0, total - st.session_tokens)
-        st.session_tokens = total
-        st.last_assessment = done.text
-        st.last_assessment_t = self.clock()
-        st.last_result = {"prompt_tokens": res.prompt_tokens, "reused_tokens": res.reused_tokens,
-                          "recomputed_tokens": res.recomputed_tokens,
-                          "new_tokens": res.new_tokens, "ttft_s": res.ttft_s,
-                          "total_s": res.total_s, "queue_wait_s": res.queue_wait_s,
-                          "loaded": dict(res.loaded)}
-        st.loaded.update(res.loaded)
-        st.reused_tokens += int(res.reused_tokens)
-        st.prompt_tokens += int(res.prompt_tokens)
+        return {"asset": asset, "session": sid, "diagnosis": d,
+                "commentary": done.text if verdict.ok else None,
+                "withheld": not verdict.ok, "reason": verdict.reason or None,
+                "result": res.as_dict() if res is not None else None}
 
     def retire_session(self, session: str) -> None:
         """Make the asset owning `session` roll over before its next turn (replay resumes it)."""
@@ -278,7 +315,7 @@ class Agent:
                     st.force_rollover = True
 
     def _next_session_index(self, asset: str) -> int:
-        best = 0
+        best = int(self.events.get_meta(f"session:{asset}") or 0)
         for s in self.events.sessions(asset):
             m = _SESSION_RE.match(s)
             if m and m.group("asset") == asset:
@@ -289,27 +326,10 @@ class Agent:
 
     def status(self) -> dict[str, Any]:
         now = self.clock()
-        out: dict[str, Any] = {}
-        for name, st in self.assets.items():
-            lat = np.asarray(st.latencies, dtype=float)
-            out[name] = {
-                "source": st.asset.source, "llm": st.asset.llm and self.model is not None,
-                "session": st.session, "session_tokens": st.session_tokens,
-                "rollovers": st.rollovers, "ticks": st.ticks, "last_zone": st.last_zone,
-                "last_tick_age_s": None if st.last_t is None else round(now - st.last_t, 3),
-                "last_assessment": st.last_assessment,
-                "last_assessment_age_s": None if st.last_assessment_t is None
-                else round(now - st.last_assessment_t, 3),
-                "tick_latency_p50_s": round(float(np.percentile(lat, 50)), 4) if lat.size else None,
-                "tick_latency_p99_s": round(float(np.percentile(lat, 99)), 4) if lat.size else None,
-                "skipped_ticks": st.skipped, "missed_ticks": st.missed,
-                "llm_errors": st.llm_errors, "bad_samples": dict(st.bad),
-                "bad_samples_total": sum(st.bad.values()),
-                "blocks_loaded_by_tier": dict(st.loaded),
-                "prompt_tokens_reused": round(st.reused_tokens / st.prompt_tokens, 4)
-                if st.prompt_tokens else None,
-            }
         return {"enabled": self.config.enabled, "running": self._running,
-                "tick_interval_s": self.config.tick_interval_s, "assets": out,
+                "tick_interval_s": self.config.tick_interval_s,
+                "assets": {name: st.status(now, st.asset.llm and self.model is not None)
+                           for name, st in self.assets.items()},
                 "reports_running": self.reports.running(),
-                "events_db": str(self.events.path)}
+                "events_db": str(self.events.path), "event_rows": self.events.count(),
+                "windows_stored": len(self.windows), "windows_bytes": self.windows.bytes}

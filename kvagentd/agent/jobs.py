@@ -1,8 +1,9 @@
 """APScheduler 3.x glue: job ids, the weekly cron text, job listing and control.
 
-Agent job ids: `agent.tick.<asset>` (interval, max_instances=1, coalesce) and
-`agent.weekly.<asset>` (cron). `list_jobs` / `run_job` / `pause_job` / `resume_job` work on any
-job of the scheduler (the control API exposes them for every service's jobs).
+Agent job ids: `agent.tick.<asset>` (interval, max_instances=1, coalesce),
+`agent.weekly.<asset>` (cron) and `agent.prune` (hourly: the event log's retention).
+`list_jobs` / `run_job` / `pause_job` / `resume_job` work on any job of the scheduler (the
+control API exposes them for every service's jobs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from kvagentd import cron
 
 TICK_PREFIX = "agent.tick."
 WEEKLY_PREFIX = "agent.weekly."
+PRUNE_JOB_ID = "agent.prune"  # the event log's retention, hourly
+PRUNE_INTERVAL_S = 3600.0
 
 
 class UnknownJob(KeyError):

@@ -2,32 +2,45 @@
 
 `SYSTEM_PROMPT` is one constant: the same bytes start every asset session, so after chat
 templating its full KV blocks have equal keys in every session and are stored once.
+
+Every prompt carries the measured diagnosis in one compact form (`diagnosis_text`): the fault,
+severity and confidence, the lines it rests on with their ratios and thresholds, the ISO zone,
+RMS and kurtosis, the hour and day trends and the recommended action. The model is asked to
+comment on it, not to diagnose. Nothing the model wrote is put back into a prompt: summaries
+of earlier measurements are built from the event rows' measurements and diagnoses only.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from kvagentd.agent.features import Features, bearing_frequencies
+from kvagentd.agent.diagnosis.bearing import bearing_frequencies
+from kvagentd.agent.diagnosis.result import FAULT_WORDS
 from kvagentd.config import AssetConfig
 
 SYSTEM_PROMPT = (
-    "You monitor the vibration of rotating machines. Each message is one measurement: RMS "
-    "velocity (mm/s, 10-1000 Hz) with its ISO 10816 zone (A good, B acceptable, C restricted "
-    "operation, D damage likely), crest factor, kurtosis (about 3 when healthy; higher means "
-    "bearing impacts) and envelope-spectrum peaks at the bearing defect frequencies BPFO (outer "
-    "race), BPFI (inner race), BSF (ball spin) and FTF (cage) as multiples of the spectrum "
-    "median (above 6 means a defect). Rising 1x vibration points to imbalance, 2x to "
-    "misalignment. Reply with one short sentence in the form <status>: <finding>; <action>. "
-    "Examples: \"Normal: no fault signs; no action.\" \"Alert: outer race defect, BPFO peak; "
-    "plan a bearing change.\" \"Alert: zone C vibration, likely imbalance; balance the rotor.\""
+    "You help a maintenance technician read the vibration monitoring of rotating machines. "
+    "Each message gives one measurement and the diagnosis the monitoring system computed from "
+    "it: the fault (or no fault), its severity, the spectral lines it rests on as multiples of "
+    "the noise floor, the ISO 10816 zone (A good, B acceptable, C restricted operation, D "
+    "damage likely), the trend and the recommended action. The diagnosis is correct. Reply "
+    "with one short sentence that restates the diagnosis and the action in plain words. Use "
+    "only numbers that appear in the message. Never call the machine normal when a fault is "
+    "diagnosed, and never name a fault that is not diagnosed. Examples: \"No fault: RMS 0.9 "
+    "mm/s in zone A; no action.\" \"Outer-race defect, BPFO line 8.1x the floor: plan a "
+    "bearing replacement.\" \"Imbalance in zone C: balance the rotor within days.\""
 )
 
 
 def _stamp(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(t))
 
 
 def asset_profile(asset: AssetConfig) -> str:
@@ -42,42 +55,78 @@ def asset_profile(asset: AssetConfig) -> str:
     )
 
 
-def observation(t: float, f: Features) -> str:
-    """One compact line of features (one user turn per tick; the date is in the profile)."""
-    env = " ".join(f"{k} {v:.1f}x" for k, v in f.envelope_ratio.items())
-    return (f"Measurement {time.strftime('%H:%M:%S', time.gmtime(t))} rms {f.rms_mm_s:.2f} mm/s "
-            f"zone {f.zone}, crest {f.crest:.1f}, kurtosis {f.kurtosis:.1f}, {env}"
-            f"{' ANOMALY' if f.anomaly else ''}. Status?")
+def _signed(v: float, digits: int = 2) -> str:
+    return f"{v:+.{digits}f}"
 
 
-def summary(asset: str, rows: Iterable[Mapping[str, object]]) -> str:
-    """Deterministic summary of recent event rows (oldest first) for a rolled-over session.
+def _trend_text(trend: Mapping[str, Mapping[str, Any]], keys: Iterable[str]) -> str:
+    parts = []
+    for k in keys:
+        tr = trend.get(k)
+        if not tr:
+            continue
+        unit = " mm/s" if k == "rms_mm_s" else ("x" if k not in ("kurtosis",) else "")
+        name = {"rms_mm_s": "RMS", "kurtosis": "kurtosis"}.get(k, k)
+        bits = []
+        if tr.get("1h") is not None:
+            bits.append(f"{_signed(tr['1h'])}{unit} in 1 h")
+        if tr.get("24h") is not None:
+            bits.append(f"{_signed(tr['24h'])}{unit} in 24 h")
+        if bits:
+            parts.append(f"{name} {', '.join(bits)}")
+    return "; ".join(parts)
 
-    Rows are event-log dicts with `t`, `zone`, `anomaly`, `features` (dict) and `assessment`.
-    """
-    rows = [r for r in rows if r.get("kind", "tick") == "tick"]
-    if not rows:
+
+def diagnosis_text(d: Mapping[str, Any]) -> str:
+    """The diagnosis (its dict) in the compact form every prompt carries."""
+    fault = str(d["fault"])
+    head = (f"Diagnosis (measured): {FAULT_WORDS[fault]}" +
+            ("" if fault == "none" else f", severity {d['severity']}") +
+            f", confidence {float(d['confidence']):.2f}.")
+    if fault == "none":
+        ratios = ", ".join(f"{k} {float(v):.1f}x" for k, v in (d.get("ratios") or {}).items())
+        evidence = f"Defect lines {ratios} the noise floor, all below threshold."
+    elif d.get("lines") and "threshold" in d["lines"][0]:
+        lines = [ln for ln in d["lines"] if ln.get("significant")]
+        p = d["lines"][0]
+        evidence = (f"Evidence: {p['line']} at {float(p['found_hz']):.1f} Hz is "
+                    f"{float(p['ratio']):.1f}x the noise floor (threshold "
+                    f"{float(p['threshold']):.1f}x)" +
+                    "".join(f", {ln['line']} {float(ln['ratio']):.1f}x" for ln in lines[1:]) + ".")
+    else:
+        evidence = f"Evidence: {d['summary']}."
+    level = (f"RMS {float(d['rms_mm_s']):.2f} mm/s, zone {d['zone']}; kurtosis "
+             f"{float(d['kurtosis']):.1f}.")
+    keys = ["rms_mm_s", "kurtosis"]
+    if d.get("lines") and "threshold" in d["lines"][0]:
+        keys.append(str(d["lines"][0]["line"]))
+    trend = _trend_text(d.get("trend") or {}, keys)
+    extra = f" Also seen: {', '.join(d['secondary'])}." if d.get("secondary") else ""
+    return (f"{head} {evidence} {level}" + (f" Trend: {trend}." if trend else "") + extra +
+            f" Action: {d['action']}.")
+
+
+def observation(t: float, diagnosis: Mapping[str, Any]) -> str:
+    """One tick's user turn: the time and the diagnosis (the date is in the profile)."""
+    return f"Measurement {_clock(t)}. {diagnosis_text(diagnosis)} Comment?"
+
+
+def summary(asset: str, rows: Iterable[Mapping[str, Any]]) -> str:
+    """Deterministic summary of recent event rows (oldest first) for a rolled-over session:
+    measurements and diagnoses only, never the model's text."""
+    ticks = [r for r in rows if r.get("kind", "tick") == "tick" and r.get("features")]
+    if not ticks:
         return f"Recent state of {asset}: no measurements yet."
-    rms = [float(r["features"]["rms_mm_s"]) for r in rows]  # type: ignore[index]
-    zones = Counter(str(r["zone"]) for r in rows)
-    anomalies = sum(1 for r in rows if r["anomaly"])
-    last = rows[-1]
-    kurt = float(last["features"]["kurtosis"])  # type: ignore[index]
-    ratios: Mapping[str, float] = last["features"].get("envelope_ratio", {})  # type: ignore[union-attr]
-    top = max(ratios.items(), key=lambda kv: kv[1]) if ratios else ("-", 0.0)
-    trend = rms[-1] - rms[0]
+    rms = [float(r["features"]["rms_mm_s"]) for r in ticks]
+    zones = Counter(str(r["zone"]) for r in ticks)
+    faults = Counter(str(r.get("fault") or "none") for r in ticks)
+    last = ticks[-1]
     zone_text = ", ".join(f"{z} {zones[z]}" for z in sorted(zones))
-    text = (
-        f"Recent state of {asset} over {len(rows)} measurements from {_stamp(float(rows[0]['t']))} "
-        f"to {_stamp(float(last['t']))}: rms {min(rms):.2f}-{max(rms):.2f} mm/s "
-        f"(last {rms[-1]:.2f}, change {trend:+.2f}); zones {zone_text}; anomalies {anomalies}; "
-        f"last zone {last['zone']}, kurtosis {kurt:.1f}, largest envelope peak "
-        f"{top[0]} {float(top[1]):.1f}x."
-    )
-    assessment = last.get("assessment")
-    if assessment:
-        text += f" Last assessment: {str(assessment).strip()[:200]}"
-    return text
+    fault_text = ", ".join(f"{FAULT_WORDS[f]} {n}" for f, n in faults.most_common())
+    return (f"Recent state of {asset} over {len(ticks)} measurements from "
+            f"{_stamp(float(ticks[0]['t']))} to {_stamp(float(last['t']))}: RMS "
+            f"{min(rms):.2f}-{max(rms):.2f} mm/s (last {rms[-1]:.2f}); zones {zone_text}; "
+            f"diagnoses {fault_text}.")
 
 
 def first_turn(asset: AssetConfig, recent: str, obs: str, t: float) -> str:
@@ -85,13 +134,30 @@ def first_turn(asset: AssetConfig, recent: str, obs: str, t: float) -> str:
     return f"{asset_profile(asset)} Date {_stamp(t)[:10]} (UTC).\n{recent}\n{obs}"
 
 
-def report_prompt(asset: str, stats: Mapping[str, object]) -> str:
-    lines = ", ".join(f"{k}={v}" for k, v in stats.items() if not isinstance(v, dict | list))
-    return (f"Weekly vibration report for {asset}. Statistics: {lines}. Write a short summary "
-            f"for the maintenance planner: condition, trend, likely cause, recommended action.")
+def report_prompt(asset: str, findings: str, stats: Mapping[str, Any]) -> str:
+    """The weekly report's request: the findings (measured) and readable statistics."""
+    ratios = ", ".join(f"{k} {float(v):.1f}x" for k, v in
+                       (stats.get("envelope_ratio_max") or {}).items())
+    return (f"Weekly vibration report for {asset}. Findings (measured): {findings} "
+            f"Statistics: {stats.get('ticks', 0)} measurements, RMS {stats.get('rms_min_mm_s')}"
+            f"-{stats.get('rms_max_mm_s')} mm/s (mean {stats.get('rms_mean_mm_s')}), worst zone "
+            f"{stats.get('worst_zone')}, {stats.get('anomalies', 0)} windows with a fault "
+            f"pattern, largest kurtosis {stats.get('kurtosis_max')}, largest envelope ratios "
+            f"{ratios or 'none'}. Write two sentences for the maintenance planner that restate "
+            f"the findings and the action in plain words, using only these numbers.")
 
 
-def replay_prompt(event: Mapping[str, object]) -> str:
-    return (f"Look again at the measurement of {_stamp(float(event['t']))} (event {event['id']}, "  # type: ignore[arg-type]
-            f"zone {event['zone']}, flagged as an anomaly). Explain in detail what the features "
-            f"indicate, the most likely fault, how confident you are, and what to inspect.")
+def replay_prompt(event: Mapping[str, Any]) -> str:
+    """Asked in the session that flagged `event`: explain its diagnosis."""
+    d = event.get("diagnosis")
+    body = diagnosis_text(d) if d else f"zone {event['zone']}"
+    return (f"Look again at the measurement of {_stamp(float(event['t']))} (event "
+            f"{event['id']}). {body} Explain in two sentences what this diagnosis means for "
+            f"the machine and what to inspect, using only these numbers.")
+
+
+def ask_context(asset: str, t: float, diagnosis: Mapping[str, Any] | None) -> str:
+    """The context put before an operator's question about an asset."""
+    if diagnosis is None:
+        return f"Context: no measurement of {asset} yet."
+    return f"Context: {asset} at {_stamp(t)}. {diagnosis_text(diagnosis)}"

@@ -1,17 +1,22 @@
 """Weekly reports and anomaly replays, written under `<state_dir>/reports/`.
 
 A report `ID` is `weekly-<asset>-<UTC stamp>` or `replay-<event id>-<UTC stamp>` and consists of
-`ID.md`, `ID.json` and `ID.png`. While it is generated `ID.json` holds `"state": "running"`;
-afterwards `"done"` or `"failed"` (with `error`). Generation runs in its own thread at REPORT
-priority, so it never delays ticks (the executor serves TICK requests first).
+`ID.md`, `ID.json`, `ID.png` and, for a replay, `ID-spectrum.png`. While it is generated
+`ID.json` holds `"state": "running"`; afterwards `"done"` or `"failed"` (with `error`).
+Generation runs in its own thread at REPORT priority, so it never delays ticks (the executor
+serves TICK requests first).
 
-- weekly: statistics of the asset's event rows over `agent.report_period_s` (tick count, RMS
-  mean/min/max/p95, zone counts, anomalies, bad data, max kurtosis, largest envelope ratios, tick
-  latency p50/p99), a trend plot of RMS (with the zone limits) and zone over the period, and a
-  summary written by the model in a fresh session `report-<asset>-<stamp>` (a deterministic
-  text when there is no LLM).
-- replay: resumes the session that flagged the event (its KV comes from whichever tier holds it)
-  and asks for a detailed explanation; the JSON records the store's tier loads during the call.
+- weekly: over `agent.report_period_s`, from the per-minute summaries and the anomaly rows:
+  the findings in plain words (what, since when, how fast it grows, what to do), the figures of
+  the period, a trend figure (RMS over zone bands, kurtosis, envelope lines, fault episodes
+  marked) and, with a model, its commentary in a fresh session `report-<asset>-<stamp>`.
+- replay: resumes the session that flagged the event (its KV comes from whichever tier holds
+  it) and asks it to explain the event's diagnosis; the JSON records the store's tier loads
+  during the call. Figures: the envelope spectrum of the event's raw window (when the window
+  store kept it) with the defect lines marked, beside a normal window of the same asset, and
+  the hour around the event.
+Model text is commentary: it is checked against the diagnosis it was given
+(`grounding.check`) and shown only when it passes; the report says when it was withheld.
 """
 
 from __future__ import annotations
@@ -23,20 +28,28 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
-import numpy as np
 import structlog
 
-from kvagentd.agent import prompts
+from kvagentd.agent import grounding, plots, prompts
+from kvagentd.agent.diagnosis.analysis import analyze, classify
+from kvagentd.agent.diagnosis.bearing import bearing_frequencies
 from kvagentd.agent.events import EventLog
 from kvagentd.agent.model_client import Completion
+from kvagentd.agent.report_content import (deterministic_summary, episodes, findings,
+                                           replay_markdown, weekly_markdown, weekly_stats)
+from kvagentd.agent.windows import WindowStore
 from kvagentd.config import AssetConfig
 
 log = structlog.get_logger(__name__)
 
 _ID_RE = re.compile(r"^(weekly|replay)-[A-Za-z0-9_.-]+$")
 ZONE_LEVEL = {"A": 0, "B": 1, "C": 2, "D": 3}
+
+
+NEAREST_WINDOW_S = 300.0  # a replay may show a kept window this close to its event
 
 
 class ReportError(ValueError):
@@ -56,14 +69,16 @@ class ReportWriter:
     `events` (the event log), `assets` (name -> config), `generate(session, text, system)`
     (REPORT-priority generation; None without a model), `clock`, `store_stats` (the KV store's
     `stats()`, recorded around a replay; may be None), `retire_session(session)` (the replay
-    hook: the live session about to be resumed rolls over first) and `period_s` (the weekly
-    report's span).
+    hook: the live session about to be resumed rolls over first), `period_s` (the weekly
+    report's span) and `windows` (the raw windows kept for spectra; may be None).
     """
 
     def __init__(self, directory: Path, *, events: EventLog, assets: Mapping[str, AssetConfig],
                  generate: GenerateFn | None, clock: Callable[[], float],
                  store_stats: Callable[[], dict[str, Any]] | None,
-                 retire_session: Callable[[str], None], period_s: float) -> None:
+                 retire_session: Callable[[str], None], period_s: float,
+                 windows: WindowStore | None = None) -> None:
+        self.windows = windows
         self.events = events
         self.assets = assets
         self.generate = generate
@@ -95,8 +110,8 @@ class ReportWriter:
             return None
         md = self.dir / f"{report_id}.md"
         doc["markdown"] = md.read_text(encoding="utf-8") if md.is_file() else None
-        doc["files"] = [str(self.dir / f"{report_id}.{ext}") for ext in ("md", "json", "png")
-                        if (self.dir / f"{report_id}.{ext}").is_file()]
+        doc["files"] = [str(p) for p in (self.dir / f"{report_id}{suffix}" for suffix in (
+            ".md", ".json", ".png", "-spectrum.png")) if p.is_file()]
         return doc
 
     def running(self) -> int:
@@ -128,7 +143,7 @@ class ReportWriter:
         """Validate, write the `running` stub and generate in a thread; returns the id."""
         now = self.clock()
         if kind == "weekly":
-            if asset not in self.assets:
+            if asset is None or asset not in self.assets:
                 raise ReportError(f"unknown asset {asset!r}")
             rid = f"weekly-{asset}-{_stamp(now)}"
             job: Callable[[], None] = functools.partial(self._weekly, rid, asset, now)
@@ -180,28 +195,34 @@ class ReportWriter:
 
     def _weekly(self, rid: str, asset: str, now: float) -> None:
         since = now - self.period_s
-        rows = self.events.query(asset=asset, since=since, until=now + 1e-6,
-                                       limit=10_000_000, newest_first=False)
-        stats = weekly_stats(rows)
+        minutes = self.events.minutes(asset, since, now + 1e-6)
+        rows = self.events.query(asset=asset, since=since, until=now + 1e-6, anomalies=True,
+                                 limit=10_000_000, newest_first=False)
+        eps = episodes(rows)
+        found = findings(eps, minutes, since)
+        stats = weekly_stats(minutes)
         stats.update(asset=asset, period_start=since, period_end=now)
         png = self.dir / f"{rid}.png"
-        plot_trend(png, rows, self.assets[asset].zone_limits_mm_s,
-                   title=f"{asset}: RMS velocity and ISO 10816 zone")
-        summary, gen = self._generate(f"report-{asset}-{_stamp(now)}",
-                                      prompts.report_prompt(asset, stats), asset, stats)
+        cfg = self.assets[asset]
+        thresholds = (rows[-1].get("diagnosis") or {}).get("thresholds") if rows else None
+        plots.trend_figure(png, minutes, eps, cfg.zone_limits_mm_s, thresholds=thresholds,
+                           title=f"{asset}: vibration from {_day(since)} to {_day(now)}")
+        summary = deterministic_summary(asset, found, stats)
+        latest = eps[-1]["diagnosis"] if eps else {"fault": "none", "zone": stats["last_zone"]}
+        commentary: dict[str, Any] = {"reason": "No model commentary (LLM off)."}
+        gen = None
+        if self.generate is not None and cfg.llm:
+            text = prompts.report_prompt(asset, summary, stats)
+            gen = self._submit(f"report-{asset}-{_stamp(now)}", text, prompts.SYSTEM_PROMPT)
+            commentary = _checked(gen["text"], latest, text)
         doc = {"id": rid, "kind": "weekly", "asset": asset, "event": None, "state": "done",
-               "created": now, "finished": self.clock(), "stats": stats,
-               "summary": summary, "generation": gen, "png": png.name}
+               "created": now, "finished": self.clock(), "stats": stats, "findings": found,
+               "episodes": [{k: v for k, v in e.items() if k != "diagnosis"} for e in eps],
+               "summary": summary, "commentary": commentary, "generation": gen,
+               "png": png.name, "period_start": since, "period_end": now}
         (self.dir / f"{rid}.md").write_text(weekly_markdown(doc), encoding="utf-8")
         self._write_json(rid, doc)
         log.info("report.weekly_done", report=rid, ticks=stats["ticks"])
-
-    def _generate(self, session: str, text: str, asset: str,
-                  stats: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
-        if self.generate is None or not self.assets[asset].llm:
-            return deterministic_summary(asset, stats), None
-        res = self._submit(session, text, prompts.SYSTEM_PROMPT)
-        return res["text"], res
 
     def _submit(self, session: str, text: str, system: str | None) -> dict[str, Any]:
         assert self.generate is not None
@@ -222,146 +243,83 @@ class ReportWriter:
         session = row["session"]
         self.retire_session(session)
         before = self.store_stats() if self.store_stats else None
-        res = self._submit(session, prompts.replay_prompt(row), None)
+        text = prompts.replay_prompt(row)
+        res = self._submit(session, text, None)
         after = self.store_stats() if self.store_stats else None
         t = float(row["t"])
-        around = self.events.query(asset=row["asset"], since=t - 600, until=t + 600,
-                                         kind="tick", limit=100_000, newest_first=False)
+        asset = row["asset"]
+        cfg = self.assets.get(asset)
+        d = row.get("diagnosis") or {"fault": "none", "zone": row.get("zone")}
         png = self.dir / f"{rid}.png"
-        plot_trend(png, around, self.assets[row["asset"]].zone_limits_mm_s
-                   if row["asset"] in self.assets else (1.4, 2.8, 4.5),
-                   title=f"{row['asset']}: around event {row['id']}", mark=t)
-        doc = {"id": rid, "kind": "replay", "asset": row["asset"], "event": row["id"],
+        around = self.events.query(asset=asset, since=t - 3600, until=t + 3600,
+                                   anomalies=True, limit=100_000, newest_first=False)
+        plots.trend_figure(png, self.events.minutes(asset, t - 3600, t + 3600), episodes(around),
+                           cfg.zone_limits_mm_s if cfg else (1.4, 2.8, 4.5),
+                           thresholds=d.get("thresholds"),
+                           title=f"{asset}: the hour around event {row['id']}",
+                           mark=(t, f"event {row['id']}: {str(d['fault']).replace('_', ' ')}"))
+        spectrum = self._spectrum(rid, row, cfg, d)
+        doc = {"id": rid, "kind": "replay", "asset": asset, "event": row["id"],
                "state": "done", "created": now, "finished": self.clock(),
-               "event_row": row, "explanation": res["text"], "generation": res,
-               "store_before": before, "store_after": after, "png": png.name}
+               "event_row": row, "commentary": _checked(res["text"], d, text),
+               "generation": res, "store_before": before, "store_after": after,
+               "png": png.name, "spectrum_png": spectrum}
         (self.dir / f"{rid}.md").write_text(replay_markdown(doc), encoding="utf-8")
         self._write_json(rid, doc)
         log.info("report.replay_done", report=rid, session=session)
 
-
-# ---------------------------------------------------------------------- pure parts
-
-def _pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 4) if values else None
-
-
-def weekly_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    ticks = [r for r in rows if r["kind"] == "tick" and r["features"]]
-    rms = [float(r["features"]["rms_mm_s"]) for r in ticks]
-    zones = {z: sum(1 for r in ticks if r["zone"] == z) for z in ZONE_LEVEL}
-    anomalies = [r for r in ticks if r["anomaly"]]
-    lat = [float(r["latency_s"]) for r in ticks if r["latency_s"] is not None]
-    env_max: dict[str, float] = {}
-    for r in ticks:
-        for k, v in (r["features"].get("envelope_ratio") or {}).items():
-            env_max[k] = max(env_max.get(k, 0.0), float(v))
-    return {
-        "ticks": len(ticks),
-        "bad_data": sum(1 for r in rows if r["kind"] == "bad_data"),
-        "rms_mean_mm_s": round(float(np.mean(rms)), 4) if rms else None,
-        "rms_min_mm_s": round(min(rms), 4) if rms else None,
-        "rms_max_mm_s": round(max(rms), 4) if rms else None,
-        "rms_p95_mm_s": _pct(rms, 95),
-        "zones": zones,
-        "worst_zone": max((r["zone"] for r in ticks), key=ZONE_LEVEL.__getitem__, default=None),
-        "last_zone": ticks[-1]["zone"] if ticks else None,
-        "anomalies": len(anomalies),
-        "first_anomaly_event": anomalies[0]["id"] if anomalies else None,
-        "last_anomaly_event": anomalies[-1]["id"] if anomalies else None,
-        "kurtosis_max": round(max(float(r["features"]["kurtosis"]) for r in ticks), 3)
-        if ticks else None,
-        "envelope_ratio_max": {k: round(v, 2) for k, v in env_max.items()},
-        "tick_latency_p50_s": _pct(lat, 50),
-        "tick_latency_p99_s": _pct(lat, 99),
-    }
-
-
-def deterministic_summary(asset: str, stats: dict[str, Any]) -> str:
-    if not stats["ticks"]:
-        return f"No measurements of {asset} in this period."
-    env = stats["envelope_ratio_max"]
-    top = max(env.items(), key=lambda kv: kv[1]) if env else ("-", 0.0)
-    return (f"{asset}: {stats['ticks']} measurements, RMS {stats['rms_min_mm_s']}-"
-            f"{stats['rms_max_mm_s']} mm/s (mean {stats['rms_mean_mm_s']}), worst zone "
-            f"{stats['worst_zone']}, last zone {stats['last_zone']}, {stats['anomalies']} "
-            f"anomalies, largest envelope peak {top[0]} {top[1]}x. (No model summary: LLM off.)")
+    def _spectrum(self, rid: str, row: dict[str, Any], cfg: AssetConfig | None,
+                  d: dict[str, Any]) -> str | None:
+        """The envelope spectrum of the event's kept window, or None when it was not kept."""
+        if self.windows is None or cfg is None:
+            return None
+        window, source = self.windows.get(int(row["id"])), None
+        if window is None:
+            # NOTE: anomaly windows are kept at most once a minute: show the nearest kept
+            # window with the same fault, and say so.
+            t = float(row["t"])
+            for eid in sorted(self.windows.events(row["asset"]),
+                              key=lambda e: abs(e - int(row["id"]))):
+                other = self.events.get(eid)
+                if other is not None and other.get("fault") == row.get("fault") and \
+                        abs(float(other["t"]) - t) <= NEAREST_WINDOW_S:
+                    window, source = self.windows.get(eid), other
+                    break
+        if window is None:
+            return None
+        an = analyze(window, cfg)
+        normal = None
+        for eid in reversed(self.windows.events(row["asset"])):
+            other = self.events.get(eid)
+            if other is not None and not other["anomaly"] and eid != row["id"]:
+                w = self.windows.get(eid)
+                if w is not None:
+                    ref = analyze(w, cfg)
+                    normal = (ref.envelope.freqs, ref.envelope.ratio)
+                    break
+        bf = bearing_frequencies(cfg.bearing, an.speed.measured_hz * 60.0)
+        path = self.dir / f"{rid}-spectrum.png"
+        which = (f"event {row['id']}" if source is None else
+                 f"event {source['id']} (the kept window nearest to event {row['id']})")
+        thr = (d.get("thresholds") or {}).get(str((d.get("lines") or [{}])[0].get("line")))
+        shown = classify(an, cfg).as_dict() if source is not None else d
+        plots.spectrum_figure(
+            path, an.envelope.freqs, an.envelope.ratio,
+            {"BPFO": bf.bpfo, "BPFI": bf.bpfi, "2xBSF": 2 * bf.bsf, "FTF": bf.ftf},
+            shown.get("lines") or [], threshold=thr, normal=normal,
+            title=f"{row['asset']}, {which}: envelope spectrum "
+                  f"({an.band[0]:.0f}-{an.band[1]:.0f} Hz band) - "
+                  f"{str(d.get('fault', 'none')).replace('_', ' ')}")
+        return path.name
 
 
-def plot_trend(path: Path, rows: list[dict[str, Any]], limits: tuple[float, float, float], *,
-               title: str, mark: float | None = None) -> None:
-    """PNG with RMS velocity (zone limits dashed) above the zone as a step line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    ticks = [r for r in rows if r["kind"] == "tick" and r["features"]]
-    t0 = float(ticks[0]["t"]) if ticks else 0.0
-    hours = [(float(r["t"]) - t0) / 3600.0 for r in ticks]
-    rms = [float(r["features"]["rms_mm_s"]) for r in ticks]
-    zone = [ZONE_LEVEL.get(r["zone"], 0) for r in ticks]
-    fig = Figure(figsize=(9, 5), dpi=100)
-    ax1, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    ax1.plot(hours, rms, lw=0.8, color="tab:blue", label="RMS 10-1000 Hz")
-    for lim, name in zip(limits, ("A/B", "B/C", "C/D")):
-        ax1.axhline(lim, ls="--", lw=0.7, color="grey")
-        ax1.text(0, lim, f" {name}", va="bottom", fontsize=7, color="grey")
-    ax1.set_ylabel("mm/s")
-    ax1.set_title(title)
-    ax2.step(hours, zone, where="post", color="tab:red", lw=0.8)
-    ax2.set_yticks([0, 1, 2, 3], ["A", "B", "C", "D"])
-    ax2.set_ylim(-0.3, 3.3)
-    ax2.set_xlabel(f"hours since {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}")
-    if mark is not None and ticks:
-        for ax in (ax1, ax2):
-            ax.axvline((mark - t0) / 3600.0, color="black", lw=0.8)
-    fig.tight_layout()
-    fig.savefig(str(path), format="png")
+def _day(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(t))
 
 
-def weekly_markdown(doc: dict[str, Any]) -> str:
-    s = doc["stats"]
-    when = lambda t: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))  # noqa: E731
-    lines = [
-        f"# Weekly vibration report: {doc['asset']}",
-        "",
-        f"Period {when(s['period_start'])} to {when(s['period_end'])}.",
-        "",
-        "## Summary",
-        "",
-        doc["summary"] or "(empty)",
-        "",
-        "## Statistics",
-        "",
-        "| figure | value |",
-        "|---|---|",
-    ]
-    for k, v in s.items():
-        if k in ("asset", "period_start", "period_end"):
-            continue
-        lines.append(f"| {k} | {json.dumps(v) if isinstance(v, dict) else v} |")
-    lines += ["", f"![trend]({doc['png']})", ""]
-    return "\n".join(lines)
-
-
-def replay_markdown(doc: dict[str, Any]) -> str:
-    r = doc["event_row"]
-    f = r.get("features") or {}
-    return "\n".join([
-        f"# Anomaly replay: event {r['id']} ({doc['asset']})",
-        "",
-        f"Time {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(float(r['t'])))}, zone "
-        f"{r['zone']}, session `{r['session']}`.",
-        "",
-        f"Features: `{json.dumps(f)}`",
-        "",
-        f"Assessment at the time: {r.get('assessment') or '(none)'}",
-        "",
-        "## Explanation",
-        "",
-        doc["explanation"] or "(empty)",
-        "",
-        f"![around the event]({doc['png']})",
-        "",
-    ])
+def _checked(text: str | None, diagnosis: Mapping[str, Any], evidence: str) -> dict[str, Any]:
+    """The model's text as a report shows it: the text, or why it was withheld."""
+    verdict = grounding.check(text, diagnosis, evidence)
+    if verdict.ok:
+        return {"text": text, "withheld": False, "reason": None}
+    return {"text": None, "withheld": True, "reason": verdict.reason}

@@ -149,10 +149,12 @@ class SessionRules:
     """
 
     def __init__(self, assets: tuple[str, ...], globs: tuple[str, ...] = ()) -> None:
-        # NOTE: the agent's names (agent.py `<asset>-<n>`, reports.py `report-<asset>-<stamp>`);
-        # tests/control/test_session_authz.py checks every id the agent submits matches one.
+        # NOTE: the agent's names (agent.py `<asset>-<n>` and `<asset>:ask:<user>`, reports.py
+        # `report-<asset>-<stamp>`); tests/control/test_session_authz.py checks every id the
+        # agent submits matches one.
         names = "|".join(re.escape(a) for a in assets)
-        self._agent = re.compile(rf"(?:{names})-\d+|report-(?:{names})-.*") if assets else None
+        self._agent = re.compile(rf"(?:{names})-\d+|(?:{names}):ask:.*|report-(?:{names})-.*") \
+            if assets else None
         self.globs = tuple(globs)
 
     @classmethod

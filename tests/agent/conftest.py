@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
@@ -37,6 +35,7 @@ class FakeExecutor:
         self.sessions: dict[str, int] = {}
         self.fail_next: BaseException | None = None
         self.full = False
+        self.answer = "Condition normal, no action needed."
         self.lock = threading.Lock()
 
     def submit(self, req: GenerationRequest) -> FakeJob:
@@ -51,7 +50,7 @@ class FakeExecutor:
             if prior is None:
                 prior = len((req.system or "").split())
             prompt = prior + len(req.text.split())
-            answer = "Condition normal, no action needed."
+            answer = self.answer
             new = len(answer.split())
             self.sessions[req.session] = prompt + new
         return FakeJob(GenerationResult(req.session, answer, new_tokens=new, prompt_tokens=prompt,

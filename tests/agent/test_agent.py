@@ -26,14 +26,16 @@ def test_tick_writes_event_and_asks_the_model_at_tick_priority(tmp_path, fake_ex
     ag = make_agent(tmp_path, fake_executor, scheduler, clock, assessment_max_tokens=17)
     row = ag.tick_once("pump-1")
     assert row["kind"] == "tick" and row["zone"] == "A" and not row["anomaly"]
-    assert row["features"]["rms_mm_s"] > 0 and "BPFO" in row["features"]["envelope"]
+    assert row["features"]["rms_mm_s"] > 0 and row["fault"] == "none"
+    assert row["diagnosis"]["fault"] == "none" and "BPFO" in row["diagnosis"]["ratios"]
     assert row["session"] == "pump-1-1"
     assert row["assessment"] == "Condition normal, no action needed."
     assert row["latency_s"] is not None
     (req,) = fake_executor.requests
     assert req.priority == Priority.TICK and req.max_new_tokens == 17
     assert req.system == prompts.SYSTEM_PROMPT and req.session == "pump-1-1"
-    assert req.text.startswith("Asset pump-1") and " rms " in req.text and req.text.endswith("Status?")
+    assert req.text.startswith("Asset pump-1") and "Diagnosis (measured): no fault" in req.text
+    assert req.text.endswith("Comment?")
     clock.advance(3)
     ag.tick_once("pump-1")
     assert fake_executor.requests[1].text.count("\n") == 0  # later turns: one observation line
@@ -173,7 +175,7 @@ def test_jobs_list_run_pause_resume(tmp_path, fake_executor, scheduler, clock):
     ag = make_agent(tmp_path, fake_executor, scheduler, clock)
     ag.start()
     ids = [j["id"] for j in jobs.list_jobs(scheduler)]
-    assert ids == ["agent.tick.pump-1", "agent.weekly.pump-1"]
+    assert ids == ["agent.prune", "agent.tick.pump-1", "agent.weekly.pump-1"]
     tick = jobs.job_info(scheduler.get_job("agent.tick.pump-1"))
     assert tick["max_instances"] == 1 and tick["coalesce"] is True
     assert jobs.pause_job(scheduler, "agent.tick.pump-1")["paused"] is True
@@ -211,3 +213,79 @@ def test_status_reports_per_asset_figures(tmp_path, fake_executor, scheduler, cl
     assert s["p1"]["tick_latency_p50_s"] <= s["p1"]["tick_latency_p99_s"]
     assert s["p1"]["skipped_ticks"] == 0 and s["p1"]["ticks"] == 3
     assert len(ag.events.query(anomalies=True)) == 3
+
+
+def test_commentary_that_contradicts_the_diagnosis_is_withheld(tmp_path, fake_executor,
+                                                             scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock, assets=(
+        AssetConfig(fault=FaultConfig(kind="outer_race", onset_s=0.0)),))
+    row = ag.tick_once("pump-1")  # the fake model says "Condition normal"
+    assert row["fault"] == "outer_race" and row["anomaly"]
+    assert row["assessment"] is None and row["withheld"]
+    assert row["note"].startswith("commentary withheld: says 'normal'")
+    clock.advance(3)
+    fake_executor.answer = "Outer-race defect: BPFO line 99.5x the floor; replace the bearing."
+    row2 = ag.tick_once("pump-1")
+    assert row2["withheld"] and "99.5" in row2["note"]  # a number the evidence does not hold
+    assert row2["session"] != row["session"]  # the contradicting text left the context
+    clock.advance(3)
+    fake_executor.answer = "Outer-race defect: plan a bearing replacement."
+    row3 = ag.tick_once("pump-1")
+    assert row3["assessment"] == fake_executor.answer and not row3["withheld"]
+    st = ag.status()["assets"]["pump-1"]
+    assert st["commentaries"] == 3 and st["commentaries_withheld"] == 2
+    assert st["last_fault"] == "outer_race"
+
+
+def test_model_text_never_reaches_a_prompt(tmp_path, fake_executor, scheduler, clock):
+    fake_executor.answer = "Zebra-unicorn pump status report."
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock, session_token_budget=400)
+    for _ in range(30):
+        ag.tick_once("pump-1")
+        clock.advance(3)
+    assert len({r.session for r in fake_executor.requests}) >= 2
+    assert not any("Zebra" in r.text for r in fake_executor.requests)
+
+
+def test_a_window_contradicting_the_stated_speed_is_bad_data(tmp_path, fake_executor,
+                                                            scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    a = ag.assets["pump-1"].asset
+    from kvagentd.agent.simulator import SimulatedSource
+
+    truth = SimulatedSource(dataclasses.replace(a, rpm=a.rpm / 2.6), 0.0)
+    ag.assets["pump-1"].source = ScriptedSource(a, [truth.read_window(10.0)])
+    row = ag.tick_once("pump-1")
+    assert row["kind"] == "bad_data" and row["note"].startswith("speed: ")
+    assert ag.status()["assets"]["pump-1"]["bad_samples"] == {"speed": 1}
+    assert fake_executor.requests == []
+
+
+def test_replay_wrap_is_in_the_events(tmp_path, scheduler, clock):
+    x = np.random.default_rng(0).normal(0.0, 1.0, 30000)
+    np.save(tmp_path / "r.npy", x)
+    (tmp_path / "r.npy.json").write_text('{"sample_rate_hz": 12000, "unit": "m/s^2"}')
+    ag = make_agent(tmp_path / "a", None, scheduler, clock, assets=(
+        AssetConfig(source="replay", replay_path=tmp_path / "r.npy"),))
+    rows = [ag.tick_once("pump-1") for _ in range(3)]
+    assert [r["features"]["replay_offset"] for r in rows] == [0, 12000, 0]
+    assert "wrapped" not in rows[1]["note"] and "pass 2" in rows[2]["note"]
+    assert "wrapped around" in rows[2]["note"]
+
+
+def test_ask_about_an_asset_carries_its_diagnosis(tmp_path, fake_executor, scheduler, clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock, assets=(
+        AssetConfig(fault=FaultConfig(kind="outer_race", onset_s=0.0)),))
+    ag.tick_once("pump-1")
+    fake_executor.answer = "The outer race is damaged; plan a bearing replacement."
+    out = ag.ask("pump-1", "What is wrong with the pump?")
+    req = fake_executor.requests[-1]
+    assert req.priority == Priority.ASK and req.session == "pump-1:ask:daemon"
+    assert "Diagnosis (measured): outer-race defect" in req.text
+    assert req.text.endswith("Question: What is wrong with the pump?")
+    assert out["commentary"] == fake_executor.answer and not out["withheld"]
+    assert out["diagnosis"]["fault"] == "outer_race"
+    fake_executor.answer = "The pump is healthy."
+    bad = ag.ask("pump-1", "And now?")
+    assert bad["commentary"] is None and bad["withheld"] and "healthy" in bad["reason"]
+    assert "Asset pump-1" not in fake_executor.requests[-1].text  # profile only on the first

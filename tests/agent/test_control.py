@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvagentd.agent.agent import Agent
-from kvagentd.config import AssetConfig, ControlConfig, FaultConfig
+from kvagentd.config import AssetConfig, Config, ControlConfig, FaultConfig
 from kvagentd.control.handlers import agent as agent_handlers
 from kvagentd.control.router import Router
 from kvagentd.control.server import ControlServer
@@ -30,7 +30,8 @@ def served(fake_executor, scheduler, clock, tmp_path):
         clock.advance(3)
     sockdir = Path(tempfile.mkdtemp(prefix="kva-", dir="/tmp"))
     router = Router()
-    agent_handlers.register(router, types.SimpleNamespace(agent=ag, scheduler=scheduler))
+    agent_handlers.register(router, types.SimpleNamespace(agent=ag, scheduler=scheduler,
+                                                          config=Config()))
     server = ControlServer(ControlConfig(socket=sockdir / "s.sock", socket_group="",
                                          operator_group=""), router)
     server.start()
@@ -43,13 +44,14 @@ def served(fake_executor, scheduler, clock, tmp_path):
 def _app():
     import typer
 
-    from kvctl import cmd_agent
+    from kvctl import cmd_agent, cmd_sessions
     from kvctl.main import root
 
     app = typer.Typer(no_args_is_help=True, add_completion=False,
                       pretty_exceptions_enable=False)
     app.callback()(root)
     cmd_agent.register(app)
+    cmd_sessions.register(app)
     return app
 
 
@@ -74,7 +76,7 @@ def test_events_reports_and_jobs_through_kvctl(served, capsys):
     flagged = json.loads(out)["events"]
     assert code == 0 and flagged and all(e["anomaly"] for e in flagged)
     code, out = kvctl(sock, "events", "--since", "1h", capsys=capsys)
-    assert code == 0 and "ANOMALY" in out
+    assert code == 0 and "outer_race (low)" in out and "BPFO" in out
     code, _ = kvctl(sock, "events", "--asset", "nope", capsys=capsys)
     assert code == 1
     code, _ = kvctl(sock, "events", "--since", "yesterday", capsys=capsys)
@@ -102,6 +104,20 @@ def test_events_reports_and_jobs_through_kvctl(served, capsys):
     assert code == 0 and json.loads(out)["job"]["paused"] is False
     assert kvctl(sock, "jobs", "run", "agent.weekly.pump-1", capsys=capsys)[0] == 0
     assert kvctl(sock, "jobs", "pause", "nope", capsys=capsys)[0] == 1
+
+
+def test_ask_about_an_asset_through_kvctl(served, fake_executor, capsys):
+    ag, sock = served
+    fake_executor.answer = "Outer-race defect: plan a bearing replacement."
+    code, out = kvctl(sock, "ask", "--asset", "pump-1", "What is wrong?", capsys=capsys)
+    assert code == 0 and "pump-1: Outer-race defect: BPFO line" in out
+    assert "commentary (model): Outer-race defect: plan a bearing replacement." in out
+    fake_executor.answer = "All good, the pump is fine."
+    code, out = kvctl(sock, "--json", "ask", "-a", "pump-1", "And now?", capsys=capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["withheld"] and doc["commentary"] is None
+    assert doc["diagnosis"]["fault"] == "outer_race"
+    assert kvctl(sock, "ask", "--asset", "nope", "?", capsys=capsys)[0] == 1
 
 
 def test_since_parsing():

@@ -103,7 +103,7 @@ def test_replay_resumes_a_session_from_the_cold_tier(stack, scheduler):
     for _ in range(3):
         ag.tick_once("e2e-c")
         clock.advance(3)
-    event = ag.events.query(asset="e2e-c", anomalies=True)[0]
+    event = ag.events.query(asset="e2e-c", anomalies=True, newest_first=False)[0]
     keys = engine.table.get(event["session"]).block_keys
     assert keys and store.demote(keys, Tier.COLD) > 0
     cold_before = store.stats()["loaded_cold"]
@@ -113,7 +113,7 @@ def test_replay_resumes_a_session_from_the_cold_tier(stack, scheduler):
     assert store.stats()["loaded_cold"] > cold_before
     assert doc["store_after"]["loaded_cold"] > doc["store_before"]["loaded_cold"]
     assert doc["generation"]["reused_tokens"] > 0
-    assert len(doc["files"]) == 3
+    assert len(doc["files"]) == 4  # md, json, trend and the event window's spectrum
     # The flagged session was live: the next tick opens a new one.
     assert ag.tick_once("e2e-c")["session"] == "e2e-c-2"
     store.check_integrity()

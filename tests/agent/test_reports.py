@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from matplotlib.image import imread
 
 from kvagentd.agent.agent import Agent
 from kvagentd.agent.reports import ReportError
@@ -20,49 +21,83 @@ def run_ticks(ag: Agent, clock, n: int, asset: str = "pump-1") -> None:
         clock.advance(3)
 
 
-def test_weekly_report_writes_markdown_json_png(tmp_path, fake_executor, scheduler, clock):
-    ag = Agent(agent_config(assets=(AssetConfig(fault=FaultConfig(kind="imbalance", onset_s=30,
-                                                                   severity=3.0)),)),
+def _png(path) -> tuple[int, int]:
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    img = imread(str(path))
+    assert img.std() > 0.05  # not a blank canvas
+    return img.shape[1], img.shape[0]
+
+
+def test_weekly_report_leads_with_findings_and_shows_the_evidence(tmp_path, fake_executor,
+                                                                   scheduler, clock):
+    ag = Agent(agent_config(assets=(AssetConfig(fault=FaultConfig(kind="outer_race",
+                                                                   onset_s=300.0)),)),
                fake_executor, scheduler, tmp_path, clock=clock)
-    run_ticks(ag, clock, 25)
+    run_ticks(ag, clock, 330)  # 16.5 minutes: 5 healthy, then the defect
+    fake_executor.answer = "Outer-race defect: plan a bearing replacement."
     rid = ag.reports.start("weekly", asset="pump-1")
-    doc = ag.reports.wait_for(rid, timeout=60)
+    doc = ag.reports.wait_for(rid, timeout=120)
     assert doc["state"] == "done", doc.get("error")
-    for ext in ("md", "json", "png"):
-        assert (tmp_path / "reports" / f"{rid}.{ext}").stat().st_size > 0
-    assert (tmp_path / "reports" / f"{rid}.png").read_bytes()[:8] == PNG_MAGIC
+    assert _png(tmp_path / "reports" / f"{rid}.png") == (1100, 850)
     stats = json.loads((tmp_path / "reports" / f"{rid}.json").read_text())["stats"]
-    assert stats["ticks"] == 25 and stats["anomalies"] > 0 and stats["worst_zone"] == "D"
-    assert stats["zones"]["A"] + stats["zones"]["B"] + stats["zones"]["C"] + \
-        stats["zones"]["D"] == 25
+    assert stats["ticks"] == 330 and stats["worst_zone"] == "A"
+    assert stats["faults"]["outer_race"] == stats["anomalies"] >= 200
+    assert stats["envelope_ratio_max"]["BPFO"] > 10
+    md = doc["markdown"]
+    findings = md.index("## Findings")
+    assert findings < md.index("![") < md.index("## Commentary") < md.index("## Figures")
+    first = md[findings:].splitlines()[2]
+    assert first.startswith("- **Outer-race defect** (low severity), since ")
+    assert "Growth: the BPFO envelope line" in first and "What to do: plan a bearing" in first
+    assert "{" not in md[md.index("## Figures"):]  # no JSON in the tables
+    assert "> Outer-race defect: plan a bearing replacement." in md
     req = fake_executor.requests[-1]
     assert req.priority == Priority.REPORT and req.session.startswith("report-pump-1-")
-    assert doc["summary"] in doc["markdown"]
+    assert "Findings (measured): Outer-race defect" in req.text
+    assert [e["fault"] for e in doc["episodes"]] == ["outer_race"]
     assert [r["id"] for r in ag.reports.list()] == [rid]
+
+
+def test_weekly_report_withholds_a_contradicting_summary(tmp_path, fake_executor, scheduler,
+                                                        clock):
+    ag = Agent(agent_config(assets=(AssetConfig(fault=FaultConfig(kind="inner_race",
+                                                                  onset_s=0.0)),)),
+               fake_executor, scheduler, tmp_path, clock=clock)
+    run_ticks(ag, clock, 5)
+    fake_executor.answer = 'Condition: "Normal". Recommendation: "Condition"'
+    doc = ag.reports.wait_for(ag.reports.start("weekly", asset="pump-1"), timeout=60)
+    assert doc["commentary"]["withheld"] and "normal" in doc["commentary"]["reason"].lower()
+    assert "Recommendation" not in doc["markdown"] and "withheld" in doc["markdown"]
 
 
 def test_weekly_report_without_model_uses_deterministic_summary(tmp_path, scheduler, clock):
     ag = Agent(agent_config(), None, scheduler, tmp_path, clock=clock)
     run_ticks(ag, clock, 3)
     doc = ag.reports.wait_for(ag.reports.start("weekly", asset="pump-1"), timeout=60)
-    assert doc["state"] == "done" and "3 measurements" in doc["summary"]
-    assert len(doc["files"]) == 3
+    assert doc["state"] == "done" and "No fault pattern in 3 measurements" in doc["summary"]
+    assert len(doc["files"]) == 3 and "LLM off" in doc["markdown"]
 
 
-def test_replay_resumes_the_flagging_session_and_retires_it(tmp_path, fake_executor, scheduler,
-                                                            clock):
+def test_replay_shows_the_window_spectrum_and_resumes_the_session(tmp_path, fake_executor,
+                                                                  scheduler, clock):
     ag = Agent(agent_config(assets=(AssetConfig(fault=FaultConfig(kind="outer_race",
                                                                   onset_s=0)),)),
                fake_executor, scheduler, tmp_path, clock=clock,
                store_stats=lambda: {"cold_loads": 0})
     run_ticks(ag, clock, 3)
-    event = ag.events.query(anomalies=True)[0]
+    event = ag.events.query(anomalies=True, newest_first=False)[0]  # its window was kept
+    fake_executor.answer = "The BPFO line at 107.0 Hz points to the outer race."
     doc = ag.reports.wait_for(ag.reports.start("replay", event=event["id"]), timeout=60)
     assert doc["state"] == "done", doc.get("error")
     req = fake_executor.requests[-1]
     assert req.session == event["session"] and req.priority == Priority.REPORT
     assert req.system is None and f"event {event['id']}" in req.text
-    assert len(doc["files"]) == 3 and doc["store_before"] == {"cold_loads": 0}
+    assert "Diagnosis (measured): outer-race defect" in req.text
+    assert len(doc["files"]) == 4 and doc["store_before"] == {"cold_loads": 0}
+    assert _png(tmp_path / "reports" / doc["spectrum_png"]) == (1100, 480)
+    md = doc["markdown"]
+    assert md.index("## Finding") < md.index("| BPFO |") < md.index("![envelope spectrum")
+    assert doc["commentary"]["text"] == fake_executor.answer
     assert ag.tick_once("pump-1")["session"] != event["session"]  # live session rolled over
 
 

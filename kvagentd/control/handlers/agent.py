@@ -7,6 +7,10 @@
     GET  /v1/reports                                  report list, newest first
     GET  /v1/reports/{id}                             one report (JSON doc + Markdown)
     POST /v1/reports/run {kind: weekly|replay, asset|event}   starts one; 202-like {id, state}
+    POST /v1/assets/{asset}/ask {question, max_tokens?}   a question about an asset, answered
+         with its latest diagnosis as context in the daemon's session <asset>:ask:<caller's
+         user name>; the answer is checked against the diagnosis
+         ({asset, session, diagnosis, commentary | null, withheld, reason, result})
     GET  /v1/jobs                                     every scheduler job
     POST /v1/jobs/{id}/run|pause|resume
 `since` is unix seconds or a relative age such as "15m", "2h", "7d".
@@ -18,7 +22,8 @@ import re
 import time
 from typing import Any
 
-from kvagentd.control.errors import BadRequest, NotFound, NotReady, require_service
+from kvagentd.control.authz import name_of_uid
+from kvagentd.control.errors import BadRequest, Busy, NotFound, NotReady, require_service
 from kvagentd.control.router import Request, Router
 
 _AGE_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -91,6 +96,38 @@ def register(router: Router, daemon: Any) -> None:
             raise (NotFound if "unknown asset" in str(exc) or "unknown event" in str(exc)
                    else BadRequest)(str(exc)) from None
         return {"id": rid, "state": "running", "started": time.time()}
+
+    @router.route("POST", "/v1/assets/{asset}/ask", change=False)
+    def ask_asset(req: Request) -> dict[str, Any]:
+        from kvagentd.engine.executor import QueueFull
+
+        a = agent()
+        name = req.params["asset"]
+        if name not in a.assets:
+            raise NotFound(f"unknown asset {name!r}; known: {', '.join(a.assets)}")
+        body = req.json_object()
+        question = body.get("question")
+        if not isinstance(question, str) or not question.strip():
+            raise BadRequest("'question' must be a non-empty string")
+        limit = daemon.config.executor.ask_max_tokens
+        max_tokens = body.get("max_tokens", limit)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not (
+                1 <= max_tokens <= limit):
+            raise BadRequest(f"'max_tokens' must be an integer in [1, {limit}] "
+                             f"(executor.ask_max_tokens)")
+        if "session" in body:
+            raise BadRequest("an asset question is asked in the daemon's session for the "
+                             "caller and that asset; 'session' is not accepted")
+        # NOTE: one daemon-owned session per asset and caller (authz.SessionRules reserves
+        # <asset>:ask:*), so nobody writes into another user's or the agent's sessions here.
+        user = re.sub(r"[^A-Za-z0-9_.-]", "_", name_of_uid(req.peer.uid))[:48]
+        session = f"{name}:ask:{user}"
+        try:
+            return dict(a.ask(name, question, session=session, max_tokens=max_tokens))
+        except LookupError as exc:
+            raise NotReady(str(exc)) from None
+        except QueueFull as exc:
+            raise Busy(str(exc)) from None
 
     @router.route("GET", "/v1/jobs", change=False)
     def list_jobs(req: Request) -> dict[str, Any]:

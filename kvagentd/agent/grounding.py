@@ -1,0 +1,117 @@
+"""Checks the model's commentary against the measured diagnosis before anyone sees it.
+
+`check(text, diagnosis, evidence)` -> `Verdict(ok, reasons)`. The text is withheld when it
+- is empty;
+- says the machine is normal, healthy, fine or idle while a fault is diagnosed or the ISO zone
+  is C or D;
+- raises an alarm (alert, alarm, danger, fault, defect, damage) while the diagnosis is `none`
+  in zone A or B;
+- names a fault (or its defect line) other than the diagnosed one and the patterns also seen
+  in the window (`secondary`);
+- states a number that is not in the evidence the model was given (`evidence`: the prompt
+  text); a number matches when it equals one there at the precision it is written with, or
+  lies within 2 % of it.
+A phrase preceded by a negation ("no", "not", "without" ... within three words) is not a claim.
+The checks are deliberately literal: they cannot tell a paraphrase that is right from one
+that is wrong, so they only let through text that restates what was measured.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+NORMAL_RE = re.compile(
+    r"\b(normal|healthy|idle|inactiv\w*|fine|good condition|in good shape|all good|"
+    r"no (?:fault|defect|problem|issue|anomal\w*|damage)s?|nothing (?:wrong|abnormal))\b",
+    re.IGNORECASE)
+ALARM_RE = re.compile(r"\b(alert|alarm|danger\w*|critical|fault\w*|defect\w*|damage\w*|"
+                      r"emergency|failure|failing)\b", re.IGNORECASE)
+FAULT_RES = {
+    "outer_race": re.compile(r"outer[- ]?(?:race|ring)|\bbpfo\b", re.IGNORECASE),
+    "inner_race": re.compile(r"inner[- ]?(?:race|ring)|\bbpfi\b", re.IGNORECASE),
+    "ball": re.compile(r"\bballs?\b(?![- ]bearing)|rolling[- ]elements?|\bbsf\b|2xbsf",
+                       re.IGNORECASE),
+    "cage": re.compile(r"\bcage\b|\bftf\b|\bretainer\b", re.IGNORECASE),
+    "imbalance": re.compile(r"\b(?:im|un)balance\w*", re.IGNORECASE),
+    "misalignment": re.compile(r"misalign\w*", re.IGNORECASE),
+    "looseness": re.compile(r"\bloose(?:ness)?\b", re.IGNORECASE),
+}
+NEGATION_RE = re.compile(r"\b(no|not|never|without|nor|isn't|is not|none)\b", re.IGNORECASE)
+NUMBER_RE = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?")
+# After a number: a line name ("2xBSF", "BPFI-1x": an order up to 10 with "x") is not a number.
+_LINE_NAME_RE = re.compile(r"x[A-Za-z]|x\b")
+RELATIVE_MATCH = 0.02
+
+
+class Verdict(NamedTuple):
+    ok: bool
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def _negated(text: str, start: int) -> bool:
+    before = text[max(0, start - 40):start].split()[-3:]
+    return any(NEGATION_RE.fullmatch(w.strip(",.;:()").lower()) for w in before)
+
+
+def _claims(pattern: re.Pattern[str], text: str) -> list[str]:
+    return [m.group(0) for m in pattern.finditer(text) if not _negated(text, m.start())]
+
+
+def numbers(text: str) -> list[tuple[float, int]]:
+    """(value, decimals written) of each number in `text`."""
+    out = []
+    for m in NUMBER_RE.finditer(text):
+        s = m.group(0)
+        rest = text[m.end():m.end() + 2]
+        if _LINE_NAME_RE.match(rest) and (rest[1:2].isalpha() or
+                                          ("." not in s and abs(float(s)) <= 10)):
+            continue
+        out.append((float(s), len(s.split(".")[1]) if "." in s else 0))
+    return out
+
+
+def _grounded(value: float, decimals: int, allowed: list[float]) -> bool:
+    for e in allowed:
+        if round(e, decimals) == round(value, decimals):
+            return True
+        if e and abs(value - e) <= RELATIVE_MATCH * abs(e):
+            return True
+    return False
+
+
+def check(text: str | None, diagnosis: Mapping[str, Any], evidence: str) -> Verdict:
+    """Is `text` consistent with `diagnosis` (its dict) and the `evidence` it was given?"""
+    if not text or not text.strip():
+        return Verdict(False, ("empty",))
+    fault = str(diagnosis.get("fault", "none"))
+    zone = str(diagnosis.get("zone") or "A")
+    reasons: list[str] = []
+    abnormal = fault != "none" or zone in ("C", "D")
+    said_normal = _claims(NORMAL_RE, text)
+    if abnormal and said_normal:
+        what = fault.replace("_", " ") if fault != "none" else f"zone {zone}"
+        reasons.append(f"says {said_normal[0]!r} while the diagnosis is {what}")
+    if not abnormal:
+        alarms = _claims(ALARM_RE, text)
+        if alarms:
+            reasons.append(f"raises an alarm ({alarms[0]!r}) while no fault is diagnosed")
+    allowed_faults = {fault, *diagnosis.get("secondary", ())}
+    for name, pattern in FAULT_RES.items():
+        if name in allowed_faults:
+            continue
+        hits = _claims(pattern, text)
+        if hits:
+            reasons.append(f"names {name.replace('_', ' ')} ({hits[0]!r}) while the diagnosis "
+                           f"is {fault.replace('_', ' ')}")
+            break
+    allowed = [v for v, _ in numbers(evidence)]
+    invented = [v for v, d in numbers(text) if not _grounded(v, d, allowed)]
+    if invented:
+        reasons.append(f"states {invented[0]:g}, a number not in the evidence")
+    return Verdict(not reasons, tuple(reasons))

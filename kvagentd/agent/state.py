@@ -1,0 +1,97 @@
+"""The agent's per-asset state: its source, diagnoser, session bookkeeping and counters."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvagentd.agent.diagnosis.diagnoser import Diagnoser
+from kvagentd.agent.model_client import Completion
+from kvagentd.agent.sensors import SensorSource
+from kvagentd.config import AssetConfig
+
+LATENCY_WINDOW = 1000  # tick latencies kept per asset for p50/p99
+
+
+@dataclass(slots=True)
+class AssetState:
+    asset: AssetConfig
+    source: SensorSource
+    diagnoser: Diagnoser
+    session_index: int
+    session_tokens: int = 0  # tokens of the current session (prompt + answer of the last turn)
+    turn_tokens: int = 0  # growth of the session by the last tick
+    force_rollover: bool = False
+    closed: bool = False
+    ticks: int = 0
+    skipped: int = 0
+    missed: int = 0
+    rollovers: int = 0
+    llm_errors: int = 0
+    commentaries: int = 0  # model answers checked against the diagnosis
+    withheld: int = 0  # ... of which contradicted it and were not shown
+    bad: collections.Counter[str] = field(default_factory=collections.Counter)
+    latencies: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=LATENCY_WINDOW))
+    last_zone: str | None = None
+    last_t: float | None = None
+    last_diagnosis: dict[str, Any] | None = None
+    last_assessment: str | None = None
+    last_assessment_t: float | None = None
+    last_result: dict[str, Any] | None = None
+    loaded: collections.Counter[str] = field(default_factory=collections.Counter)  # by tier
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def session(self) -> str:
+        return f"{self.asset.name}-{self.session_index}"
+
+    def account(self, done: Completion, now: float) -> None:
+        """Record a tick's completion (session size, reuse, errors)."""
+        res = done.result
+        if res is None:
+            self.llm_errors += 1
+            return
+        total = int(res.prompt_tokens) + int(res.new_tokens)
+        self.turn_tokens = max(0, total - self.session_tokens)
+        self.session_tokens = total
+        self.last_result = {"prompt_tokens": res.prompt_tokens,
+                            "reused_tokens": res.reused_tokens,
+                            "recomputed_tokens": res.recomputed_tokens,
+                            "new_tokens": res.new_tokens, "ttft_s": res.ttft_s,
+                            "total_s": res.total_s, "queue_wait_s": res.queue_wait_s,
+                            "loaded": dict(res.loaded)}
+        self.loaded.update(res.loaded)
+        self.reused_tokens += int(res.reused_tokens)
+        self.prompt_tokens += int(res.prompt_tokens)
+
+    def status(self, now: float, llm: bool) -> dict[str, Any]:
+        lat = np.asarray(self.latencies, dtype=float)
+        d = self.last_diagnosis or {}
+        return {
+            "source": self.asset.source, "llm": llm, "session": self.session,
+            "session_tokens": self.session_tokens, "rollovers": self.rollovers,
+            "ticks": self.ticks, "last_zone": self.last_zone,
+            "last_fault": d.get("fault"), "last_severity": d.get("severity"),
+            "last_diagnosis": d.get("summary"),
+            "baseline": self.diagnoser.status(),
+            "last_tick_age_s": None if self.last_t is None else round(now - self.last_t, 3),
+            "last_assessment": self.last_assessment,
+            "last_assessment_age_s": None if self.last_assessment_t is None
+            else round(now - self.last_assessment_t, 3),
+            "commentaries": self.commentaries, "commentaries_withheld": self.withheld,
+            "tick_latency_p50_s": round(float(np.percentile(lat, 50)), 4) if lat.size else None,
+            "tick_latency_p99_s": round(float(np.percentile(lat, 99)), 4) if lat.size else None,
+            "skipped_ticks": self.skipped, "missed_ticks": self.missed,
+            "llm_errors": self.llm_errors, "bad_samples": dict(self.bad),
+            "bad_samples_total": sum(self.bad.values()),
+            "blocks_loaded_by_tier": dict(self.loaded),
+            "prompt_tokens_reused": round(self.reused_tokens / self.prompt_tokens, 4)
+            if self.prompt_tokens else None,
+        }

@@ -1,0 +1,50 @@
+"""The commentary check: what is withheld and what passes."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvagentd.agent.grounding import check
+from kvagentd.agent.prompts import diagnosis_text
+
+OUTER = {"fault": "outer_race", "severity": "low", "confidence": 0.9, "zone": "A",
+         "rms_mm_s": 0.42, "kurtosis": 7.5, "summary": "s", "action": "plan a bearing change",
+         "secondary": [], "ratios": {"BPFO": 8.1},
+         "lines": [{"line": "BPFO", "found_hz": 106.0, "ratio": 8.1, "threshold": 3.6,
+                    "significant": True}, {"line": "2xBPFO", "found_hz": 212.0, "ratio": 5.2,
+                                           "threshold": 3.2, "significant": True}],
+         "trend": {}}
+NONE = {**OUTER, "fault": "none", "severity": "none", "lines": []}
+ZONE_D = {**NONE, "zone": "D"}
+EVIDENCE = diagnosis_text(OUTER)
+
+
+@pytest.mark.parametrize("text,diagnosis,bad", [
+    ("The pump-1 is currently in a state of inactivity.", OUTER, "inactivity"),
+    ('Condition: "Normal". Recommendation: "Condition"', OUTER, "Normal"),
+    ("Machine healthy, no action.", ZONE_D, "healthy"),
+    ("Inner race damage, replace the bearing.", OUTER, "inner race"),
+    ("Imbalance: balance the rotor.", OUTER, "imbalance"),
+    ("Outer-race defect, BPFO 51.8x the floor.", OUTER, "51.8"),
+    ("pump-1 is in a state of emergency", NONE, "emergency"),
+    ("Alert: outer race defect.", NONE, "outer race"),
+    ("", OUTER, "empty"),
+])
+def test_contradictions_are_withheld(text, diagnosis, bad):
+    v = check(text, diagnosis, EVIDENCE)
+    assert not v.ok and bad.lower() in v.reason.lower(), v
+
+
+@pytest.mark.parametrize("text,diagnosis", [
+    ("Outer-race defect, BPFO line 8.1x the floor: plan a bearing replacement.", OUTER),
+    ("Outer race damage (BPFO 8.1x, 2xBPFO 5.2x); not normal: plan a bearing change.", OUTER),
+    ("No fault: RMS 0.42 mm/s in zone A; no action.", NONE),
+    ("Normal operation, no imbalance and no misalignment.", NONE),
+])
+def test_restatements_pass(text, diagnosis):
+    assert check(text, diagnosis, diagnosis_text(diagnosis)).ok
+
+
+def test_secondary_patterns_may_be_named():
+    d = {**OUTER, "zone": "C", "secondary": ["imbalance"]}
+    assert check("Outer race defect with imbalance.", d, EVIDENCE).ok
