@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import structlog
@@ -137,7 +137,7 @@ class MqttSource(SensorSource):
         self.messages = 0
         self.decode_errors = 0
         self.connects = 0
-        self._client = None
+        self._client: Any = None  # a paho-mqtt Client once started
 
     def start(self) -> None:
         import paho.mqtt.client as mqtt
