@@ -8,7 +8,7 @@ For each dtype (fp32, bf16) and session length (512, 2048, 4096 tokens) one run:
                  every block is stored, so the last token is re-run for its logits),
                  turn = restore + a new user turn (~20 tokens prefilled)
 Every request is the real data path (match -> ensure_resident -> suffix prefill -> decode ->
-commit) through the runner without the executor, asked for 2 tokens: TTFT and one decode step.
+commit) through the engine, one request at a time, asked for 2 tokens: TTFT and one decode step.
 Also: decode tokens/s of the hot-pool cache vs transformers' DynamicCache at 2048 tokens,
 peak RSS, and where the resume time goes.
 
@@ -17,6 +17,7 @@ peak RSS, and where the resume time goes.
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import shutil
@@ -29,11 +30,11 @@ from pathlib import Path
 import torch
 
 from bench.common import Goal, Result, print_table, write_result
-from kvagentd.config import ModelConfig
+from kvagentd.config import ExecutorConfig, ModelConfig
 from kvagentd.engine.cache import new_cache
 from kvagentd.engine.model import LoadedModel, load_model, model_geometry
-from kvagentd.engine.runner import Runner
-from kvagentd.engine.sessions import Session, SessionStore
+from kvagentd.engine.service import Engine
+from kvagentd.engine.sessions import Session
 from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.base import ColdListener
 from kvagentd.kvcache.cold.store import ColdStore
@@ -41,6 +42,7 @@ from kvagentd.kvcache.keys import make_namespace
 from kvagentd.kvcache.store import TieredKVStore
 
 BLOCK_TOKENS = 16
+PREFILL_CHUNK = 512
 LENGTHS = (512, 2048, 4096)
 REPS = 3
 ANCHOR = {"cold_ms": 67.0, "warm_ms": 45.0, "recompute_s": 17.0}
@@ -79,14 +81,9 @@ def build_store(lm: LoadedModel, root: Path, tokens: int) -> TieredKVStore:
                          warm_bytes=blocks * geo.block_bytes, cold=cold)
 
 
-def run_once(runner: Runner, sid: str, history: list[int], text: str | None):
-    runner.sessions.save(Session(sid, list(history)))
-    gen = runner.run(sid, text, max_new_tokens=2)
-    try:
-        while True:
-            next(gen)
-    except StopIteration as done:
-        return done.value
+def run_once(engine: Engine, sid: str, history: list[int], text: str | None):
+    engine.table.save(Session(sid, list(history)))
+    return engine.ask(sid, text, max_new_tokens=2)
 
 
 def measure_dtype(dtype: str, lengths: tuple[int, ...], root: Path) -> tuple[list[dict], LoadedModel]:
@@ -96,9 +93,11 @@ def measure_dtype(dtype: str, lengths: tuple[int, ...], root: Path) -> tuple[lis
         d = root / f"{dtype}-{n}"
         d.mkdir(parents=True)
         store = build_store(lm, d, n + 64)
-        runner = Runner(lm.model, lm.tokenizer, store, SessionStore(d / "state"))
+        engine = Engine(lm, store, state_dir=d / "state", executor_config=ExecutorConfig(
+            step_tokens=PREFILL_CHUNK, prefill_chunk=PREFILL_CHUNK))
+        engine.start()
         hist = history_ids(lm.tokenizer, n)
-        rec = run_once(runner, f"recompute-{n}", hist, None)
+        rec = run_once(engine, f"recompute-{n}", hist, None)
         hist_keys = store.block_keys(hist)
         keep = set(hist_keys)
         for mode, text in (("next", None), ("turn", QUESTION)):
@@ -108,7 +107,7 @@ def measure_dtype(dtype: str, lengths: tuple[int, ...], root: Path) -> tuple[lis
                 for rep in range(REPS):
                     if tier is not Tier.HOT:
                         store.demote(hist_keys, tier)
-                    results.append(run_once(runner, f"{mode}-{tier.value}-{n}-{rep}", hist, text))
+                    results.append(run_once(engine, f"{mode}-{tier.value}-{n}-{rep}", hist, text))
                     # forget what this run added, so every repetition resumes the same prefix
                     store.evict([b.key for b in store.snapshot() if b.key not in keep])
                 med = sorted(results, key=lambda r: r.ttft_s)[len(results) // 2]
@@ -123,6 +122,7 @@ def measure_dtype(dtype: str, lengths: tuple[int, ...], root: Path) -> tuple[lis
                 }
                 row[f"{tier.value}_prefill_tokens"] = med.prefill_tokens
             rows.append(row)
+        engine.stop()
         store.close()
         shutil.rmtree(d, ignore_errors=True)
     return rows, lm
@@ -214,10 +214,11 @@ def main() -> int:
     goals = [
         Goal("cold resume speedup at 2048 fp32", r2048["cold_speedup"], ">=", 20.0, "x"),
         Goal("warm resume speedup at 2048 fp32", r2048["warm_speedup"], ">=", 40.0, "x"),
-        Goal("cold speedup grows with length (min step ratio)",
-             min(b / a for a, b in zip(cold_x, cold_x[1:])), ">=", 1.0, "x"),
         Goal("decode tok/s hot-pool / DynamicCache at 2048", dec["ratio"], ">=", 0.9),
     ]
+    if len(cold_x) > 1:
+        goals.append(Goal("cold speedup grows with length (min step ratio)",
+                          min(b / a for a, b in itertools.pairwise(cold_x)), ">=", 1.0, "x"))
     write_result(Result("resume", "python -m bench.resume", figures, goals))
     return 0
 

@@ -149,6 +149,14 @@ class ExecutorConfig:
     ask_max_tokens: int = field(default=128, metadata=_rng(1, 32768))
     ask_deadline_s: float = field(default=120.0, metadata=_rng(0.1, 86400.0))
     report_deadline_s: float = field(default=600.0, metadata=_rng(0.1, 86400.0))
+    # continuous batching: sequences per step, tokens per step, prefill chunk per sequence
+    max_batch: int = field(default=16, metadata=_rng(1, 1024))
+    step_tokens: int = field(default=256, metadata=_rng(1, 65536))
+    prefill_chunk: int = field(default=256, metadata=_rng(1, 65536))
+    aging_s: float = field(default=10.0, metadata=_rng(0.0, 86400.0))  # 0 = strict priority
+    # memory a running batch holds beyond the hot pool (working copies or attention scratch)
+    batch_memory_bytes: ByteSize = field(default=ByteSize(2 << 30), metadata=_rng(1 << 20, None))
+    kv_layout: Literal["auto", "contiguous", "paged"] = "auto"  # auto: paged on CUDA
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,6 +463,10 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("model.path", None, f"a path when model.source = {cfg.model.source!r}")
     if cfg.kv.io_unit_bytes % 4096:
         raise ConfigError("kv.io_unit_bytes", cfg.kv.io_unit_bytes, "a multiple of 4096")
+    if cfg.executor.step_tokens < cfg.executor.max_batch:
+        raise ConfigError("executor.step_tokens", cfg.executor.step_tokens,
+                          f"a number >= executor.max_batch ({cfg.executor.max_batch}): every "
+                          f"running sequence decodes one token per step")
 
 
 def config_to_dict(cfg: Any) -> Any:

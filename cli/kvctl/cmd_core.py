@@ -150,7 +150,19 @@ def _engine_summary(v: dict[str, Any]) -> list[str]:
             f"executor queued tick {q.get('tick', 0)} ask {q.get('ask', 0)} report "
             f"{q.get('report', 0)} (max {ex.get('queue_size', '?')})  running {running}  "
             f"done {ex.get('completed', 0)}  failed {ex.get('failed', 0)}  busy "
-            f"{ex.get('rejected', 0)}"]
+            f"{ex.get('rejected', 0)}"] + _batch_summary(ex)
+
+
+def _batch_summary(ex: dict[str, Any]) -> list[str]:
+    b, mem = ex.get("batch") or {}, ex.get("memory") or {}
+    if not b:
+        return []
+    step = b.get("step_s") or {}
+    held = (mem.get("working_copy_bytes") or 0) + (mem.get("paged_scratch_bytes") or 0)
+    return [f"batch    size {b.get('size_mean', 0)} mean, {b.get('size_max', 0)} max of "
+            f"{b.get('max_batch', '?')}  step p50 {1000 * (step.get('p50') or 0):.0f} ms  "
+            f"preempted {ex.get('preemptions', 0)}  beyond hot pool {render.size(held)} of "
+            f"{render.size(mem.get('budget_bytes'))} ({mem.get('layout', '?')})"]
 
 
 def _placement_summary(v: dict[str, Any]) -> list[str]:

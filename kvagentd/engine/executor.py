@@ -1,180 +1,91 @@
-"""One model worker with a bounded priority queue.
+"""The model worker: continuous batching with priorities over a bounded queue.
 
-Priorities: sensor tick > operator question > report job. Every request runs as a generator
-that yields after each model step (a prefill chunk or one decode token); between steps the
-worker picks the most urgent runnable job, so a tick that arrives while a long report decodes
-starts after at most one more decode step (the report is paused, keeps its hot blocks and its
-working copy, and resumes after the tick). Jobs of one session never interleave.
+One thread runs `step()` over and over; the data path of a step reads top-down:
 
-Expected outcomes are values: a full queue raises `QueueFull` at submit (409 / exit 75);
-deadline and cancellation end a running job with `finish_reason` "deadline" / "cancelled" and
-its partial answer. A job that never started because its deadline passed or the executor
-stopped raises `JobNotRun` from `result()`.
+    reap (cancelled, past deadline) -> prepare prompts -> plan admission (scheduler)
+    -> preempt (commit + release) -> admit (match -> ensure_resident -> bind hot slots)
+    -> one batched forward over every running sequence (decode tokens + prefill chunks)
+    -> greedy token per sequence -> stream text -> finish (commit, record_access, save)
+
+Requests join and leave the batch at step boundaries. Priorities (tick > ask > report, with
+aging so nothing starves) decide admission, the token budget and preemption; see
+`scheduler.py`. Jobs of one session never overlap. Expected outcomes are values (`job.py`).
 """
 
 from __future__ import annotations
 
-import enum
+import collections
 import itertools
-import queue
+import statistics
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterator, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
 from kvagentd.config import ExecutorConfig
-from kvagentd.engine.runner import GenerationResult
+from kvagentd.engine.blocks import BlockManager
+from kvagentd.engine.job import (
+    GenerationRequest,
+    Job,
+    JobNotRun,
+    JobState,
+    Priority,
+    QueueFull,
+)
+from kvagentd.engine.metrics import EngineMetrics
+from kvagentd.engine.runner import ModelRunner
+from kvagentd.engine.scheduler import Need, Scheduler, SchedulerConfig
+from kvagentd.engine.sequence import Sequence
+from kvagentd.engine.sessions import ChatFormat, Session, SessionStore
+
+__all__ = ["Executor", "GenerationRequest", "HotPoolFull", "Job", "JobNotRun", "Priority",
+           "QueueFull"]
 
 log = structlog.get_logger(__name__)
 
-
-class Priority(enum.IntEnum):
-    TICK = 0
-    ASK = 1
-    REPORT = 2
+_IDLE_RETRY_S = 0.05  # wait when nothing could run (room held outside the engine)
+_WINDOW = 256  # steps and requests kept for status figures
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    session: str
-    text: str
-    system: str | None = None  # used only when the session does not exist yet
-    max_new_tokens: int = 64
-    priority: Priority = Priority.ASK
-    deadline_s: float | None = None  # seconds from submit; None = the executor default
-
-
-class QueueFull(RuntimeError):
-    """The bounded queue is full: the caller should answer busy and retry later."""
-
-
-class JobNotRun(RuntimeError):
-    """The job ended before it started (deadline passed in the queue, executor stopped)."""
-
-
-class JobState(enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    PAUSED = "paused"
-    DONE = "done"
-    FAILED = "failed"
-
-
-_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FAILED}),
-    JobState.RUNNING: frozenset({JobState.PAUSED, JobState.DONE, JobState.FAILED}),
-    JobState.PAUSED: frozenset({JobState.RUNNING, JobState.FAILED}),
-    JobState.DONE: frozenset(),
-    JobState.FAILED: frozenset(),
-}
-
-_END = object()
-
-
-class RunFn(Protocol):
-    def __call__(self, session_id: str, text: str, *, system: str | None, max_new_tokens: int,
-                 stop: Callable[[], str | None], on_text: Callable[[str], None],
-                 ) -> Generator[None, None, GenerationResult]: ...
-
-
-class Job:
-    """Handle of one submitted request."""
-
-    def __init__(self, job_id: int, request: GenerationRequest, deadline: float | None,
-                 submitted_step: int) -> None:
-        self.id = job_id
-        self.request = request
-        self.state = JobState.QUEUED
-        self.submitted_at = time.monotonic()
-        self.deadline = deadline  # time.monotonic() value or None
-        self.submitted_step = submitted_step  # executor step counter at submit
-        self.started_step: int | None = None  # executor step counter when it first ran
-        self.started_at = 0.0
-        self.steps = 0  # model steps this job ran
-        self.pauses = 0
-        self._done = threading.Event()
-        self._result: GenerationResult | None = None
-        self._error: BaseException | None = None
-        self._pieces: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._cancel = threading.Event()
-        self._gen: Generator[None, None, GenerationResult] | None = None
-
-    # -- public -----------------------------------------------------------------------------
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"job {self.id} not done after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-    def stream(self) -> Iterator[str]:
-        """Text pieces as they are generated; ends when the job ends (raises its error)."""
-        while True:
-            item = self._pieces.get()
-            if item is _END:
-                break
-            yield item  # type: ignore[misc]
-        if self._error is not None:
-            raise self._error
-
-    def cancel(self) -> None:
-        self._cancel.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def info(self) -> dict[str, Any]:
-        r = self.request
-        return {"id": self.id, "session": r.session, "priority": r.priority.name.lower(),
-                "state": self.state.value, "steps": self.steps, "pauses": self.pauses,
-                "age_s": round(time.monotonic() - self.submitted_at, 3)}
-
-    # -- worker side ------------------------------------------------------------------------
-
-    def _move(self, new: JobState) -> None:
-        if new not in _TRANSITIONS[self.state]:
-            raise RuntimeError(f"job {self.id}: illegal transition {self.state} -> {new}")
-        self.state = new
-
-    def _stop_reason(self) -> str | None:
-        if self._cancel.is_set():
-            return "cancelled"
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            return "deadline"
-        return None
-
-    def _finish(self, result: GenerationResult | None, error: BaseException | None) -> None:
-        self._result, self._error = result, error
-        self._move(JobState.DONE if error is None else JobState.FAILED)
-        self._pieces.put(_END)
-        self._done.set()
+class HotPoolFull(RuntimeError):
+    """The hot pool cannot hold this request's blocks, even with nothing else running."""
 
 
 class Executor:
-    """The model worker. `run` is `Runner.run`; metrics is an `EngineMetrics` or None."""
+    """The model worker over `runner` (the model) and `blocks` (the store)."""
 
-    def __init__(self, run: RunFn, config: ExecutorConfig, *, metrics: Any = None) -> None:
-        self._run = run
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, sessions: SessionStore,
+                 chat: ChatFormat, tokenizer: Any, config: ExecutorConfig, *,
+                 metrics: EngineMetrics | None = None) -> None:
+        self.runner = runner
+        self.blocks = blocks
+        self.sessions = sessions
+        self.chat = chat
+        self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
+        self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.step_tokens,
+                                                   config.prefill_chunk, config.aging_s))
         self._cond = threading.Condition()
-        self._queued: list[Job] = []
-        self._active: list[Job] = []  # started, not finished (one running, others paused)
+        self._queued: list[Job] = []  # submitted, not yet seen by the worker
+        self._waiting: list[Sequence] = []  # not running: new, or preempted
+        self._running: list[Sequence] = []
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.step_count = 0  # model steps run by the worker, all jobs
+        self._room_epoch = 0  # bumped whenever running sequences give room back
+        self._tried: dict[int, int] = {}  # id(seq) -> epoch of its failed admission
+        self._steps: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=_WINDOW)
+        self._waits: dict[str, collections.deque[float]] = {
+            p.name.lower(): collections.deque(maxlen=_WINDOW) for p in Priority}
+        self.on_step: Callable[[int, int, float], None] | None = None  # (size, tokens, s)
+        self.step_count = 0
         self.completed = 0
         self.failed = 0
         self.rejected = 0
+        self.preempted = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -186,11 +97,11 @@ class Executor:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop accepting; queued jobs fail with JobNotRun; running jobs end as cancelled."""
+        """Stop accepting; jobs not started fail with JobNotRun; started ones end cancelled."""
         with self._cond:
             self._stopping = True
-            for job in self._active:
-                job.cancel()
+            for s in self._running + self._waiting:
+                s.job.cancel()
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -202,35 +113,232 @@ class Executor:
         with self._cond:
             if self._stopping:
                 raise QueueFull("executor is stopping")
-            if len(self._queued) >= self.config.queue_size:
+            queued = self._queued_count()
+            if queued >= self.config.queue_size:
                 self.rejected += 1
                 if self.metrics is not None:
                     self.metrics.rejected.inc()
-                raise QueueFull(f"{len(self._queued)} requests queued (executor.queue_size = "
+                raise QueueFull(f"{queued} requests queued (executor.queue_size = "
                                 f"{self.config.queue_size}); try again later")
             job = Job(next(self._ids), self._bounded(req), self._deadline(req), self.step_count)
             self._queued.append(job)
             self._cond.notify_all()
         if self.metrics is not None:
-            self.metrics.queue_depth.set(len(self._queued))
+            self.metrics.queue_depth.set(queued + 1)
         return job
 
     def session_busy(self, session: str) -> bool:
         with self._cond:
-            return any(j.request.session == session for j in self._queued + self._active)
+            return any(j.request.session == session for j in self._queued) or any(
+                s.session_id == session for s in self._waiting + self._running)
 
     def status(self) -> dict[str, Any]:
         with self._cond:
             queued = {p.name.lower(): 0 for p in Priority}
-            for j in self._queued:
+            for j in self._queued + [s.job for s in self._waiting if s.first_admitted_at is None]:
                 queued[j.request.priority.name.lower()] += 1
-            return {"running": self._thread is not None and self._thread.is_alive(),
-                    "queued": queued, "queue_size": self.config.queue_size,
-                    "active": [j.info() for j in self._active], "steps": self.step_count,
-                    "completed": self.completed, "failed": self.failed,
-                    "rejected": self.rejected}
+            active = [s.job.info() for s in self._running + self._waiting
+                      if s.first_admitted_at is not None]
+            steps = list(self._steps)
+            waits = {k: list(v) for k, v in self._waits.items()}
+        return {"running": self._thread is not None and self._thread.is_alive(),
+                "queued": queued, "queue_size": self.config.queue_size, "active": active,
+                "steps": self.step_count, "completed": self.completed, "failed": self.failed,
+                "rejected": self.rejected, "preemptions": self.preempted,
+                "batch": _batch_figures(steps, self.config),
+                "queue_wait_s": {k: _quantiles(v) for k, v in waits.items()},
+                "memory": self.blocks.status()}
 
     # -- worker -----------------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._queued or self._waiting or self._running or self._stopping):
+                    self._cond.wait()
+                self._waiting.extend(Sequence(j) for j in self._queued)
+                self._queued.clear()
+                stopping = self._stopping
+            if stopping:  # started sequences end cancelled (and are saved), the rest not run
+                self._reap(time.monotonic())
+                return
+            try:
+                ran = self.step()
+            except Exception:
+                log.exception("engine_step_failed")
+                ran = True
+            if not ran:
+                with self._cond:
+                    if not self._queued and not self._stopping:
+                        self._cond.wait(_IDLE_RETRY_S)
+
+    def step(self) -> bool:
+        """One scheduling round and one batched forward; False when nothing could run."""
+        now = time.monotonic()
+        self._reap(now)
+        self._prepare()
+        needs = {id(s): self.blocks.need(s) for s in self._waiting
+                 if s.prepared and self._tried.get(id(s)) != self._room_epoch}
+        plan = self.scheduler.admission(self._waiting, self._running, needs,
+                                        self.blocks.resources(), now)
+        for s in plan.never_fit:
+            self._fail(s, self._too_big(s, needs[id(s)]))
+        for s in plan.preempt:
+            self._preempt(s)
+        for s in plan.admit:
+            self._admit(s)
+        work = self.scheduler.budget(self._running, now)
+        if not work:
+            return False
+        t0 = time.perf_counter()
+        items = [(s, s.chunk(n), s.pending == n) for s, n in work]
+        try:
+            logits = self.runner.forward([(s.kv_or_fail(), ids, last) for s, ids, last in items])
+            tokens = logits.argmax(-1).tolist()
+        except Exception as exc:  # noqa: BLE001 - the batch fails, the worker serves on
+            log.error("batch_forward_failed", size=len(items), error=f"{type(exc).__name__}: {exc}")
+            for s, _, _ in items:
+                self._fail(s, exc)
+            return True
+        dt = time.perf_counter() - t0
+        self._record_step(len(items), sum(len(ids) for _, ids, _ in items), dt)
+        it = iter(tokens)
+        for s, _, last in items:
+            s.job.steps += 1
+            if last:
+                why = s.accept(int(next(it)), self.chat, self.tokenizer)
+                if why is not None:
+                    self._end(s, why)
+        return True
+
+    # -- transitions ------------------------------------------------------------------------
+
+    def _reap(self, now: float) -> None:
+        for s in self._running + self._waiting:
+            why = "cancelled" if self._stopping else s.job.stop_reason(now)
+            if why is None:
+                continue
+            if s.first_admitted_at is None:
+                self._fail(s, JobNotRun(f"job {s.job.id} ({s.session_id}): {why} before it "
+                                        f"started"))
+            else:
+                self._end(s, why)
+
+    def _prepare(self) -> None:
+        busy = {s.session_id for s in self._running}
+        for s in sorted(self._waiting, key=lambda s: s.order):
+            if s.session_id in busy:
+                continue
+            busy.add(s.session_id)
+            if not s.prepared:
+                try:
+                    s.prepare(self.sessions.get(s.session_id) or Session(s.session_id), self.chat)
+                except Exception as exc:  # noqa: BLE001 - bad input fails its job only
+                    self._fail(s, exc)
+
+    def _admit(self, s: Sequence) -> None:
+        t0 = time.perf_counter()
+        try:
+            ok = self.blocks.admit(s)
+        except Exception as exc:  # noqa: BLE001 - fails this job; the batch goes on
+            self._fail(s, exc)
+            return
+        if not ok:
+            if not self._running:
+                self._fail(s, HotPoolFull(
+                    f"hot pool cannot provide {self.blocks.need(s).blocks} blocks for session "
+                    f"{s.session_id!r} (warm tier full too); retry later or raise kv.hot_bytes"))
+            else:
+                self._tried[id(s)] = self._room_epoch
+            return
+        self._tried.pop(id(s), None)
+        job, now = s.job, time.perf_counter()
+        s.admitted_at = now
+        if s.first_admitted_at is None:
+            s.first_admitted_at = t0
+            job.started_step, job.started_at = self.step_count, time.monotonic()
+            s.result.queue_wait_s = job.started_at - job.submitted_at
+            self._waits[job.priority.name.lower()].append(s.result.queue_wait_s)
+        job.move(JobState.RUNNING)
+        with self._cond:
+            self._waiting.remove(s)
+            self._running.append(s)
+
+    def _preempt(self, s: Sequence) -> None:
+        try:
+            self.blocks.commit(s)
+        finally:
+            self.blocks.release(s)
+        self._room_epoch += 1
+        s.job.move(JobState.PAUSED)
+        s.job.pauses += 1
+        s.result.preemptions += 1
+        self.preempted += 1
+        if self.metrics is not None:
+            self.metrics.preemptions.labels(s.priority.name.lower()).inc()
+        log.debug("sequence_preempted", session=s.session_id, tokens=len(s.tokens))
+        with self._cond:
+            self._running.remove(s)
+            self._waiting.append(s)
+
+    def _end(self, s: Sequence, why: str) -> None:
+        """Finish a started sequence: commit its blocks, save the session, hand the result."""
+        res = s.result
+        res.finish_reason = why
+        try:
+            if s.running:
+                keys = self.blocks.commit(s)
+                self.blocks.store.record_access(keys, s.session_id)
+            else:  # preempted: its blocks were committed then
+                keys = self.blocks.store.match_prefix(s.tokens).keys
+            generated = s.generated
+            if generated and s.session is not None:
+                session = s.session
+                session.token_ids = s.tokens + self.chat.close_turn(generated)
+                session.block_keys = keys
+                session.last_used = time.time()
+                session.turns += 1
+                self.sessions.save(session)
+        except Exception as exc:  # noqa: BLE001 - fails this job; the batch goes on
+            self._fail(s, exc)
+            return
+        self._release(s)
+        res.text = s.final_text(self.tokenizer)
+        res.new_tokens = len(generated)
+        end = time.perf_counter()
+        res.total_s = end - (s.first_admitted_at or end)
+        if s.first_token_at is not None:
+            res.timings["decode_s"] = end - s.first_token_at
+        self.completed += 1
+        if self.metrics is not None:
+            self.metrics.observe(s.priority.name.lower(), res)
+        s.job.finish(res, None)
+
+    def _fail(self, s: Sequence, exc: BaseException) -> None:
+        if not isinstance(exc, JobNotRun):
+            log.error("generation_failed", job=s.job.id, session=s.session_id,
+                      error=f"{type(exc).__name__}: {exc}")
+        self._release(s)
+        self.failed += 1
+        if self.metrics is not None:
+            self.metrics.requests.labels(s.priority.name.lower(), "failed").inc()
+        s.job.finish(None, exc)
+
+    def _release(self, s: Sequence) -> None:
+        if s.running:
+            self.blocks.release(s)
+            self._room_epoch += 1
+        self._tried.pop(id(s), None)
+        with self._cond:
+            if s in self._running:
+                self._running.remove(s)
+            if s in self._waiting:
+                self._waiting.remove(s)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _queued_count(self) -> int:
+        return len(self._queued) + sum(1 for s in self._waiting if s.first_admitted_at is None)
 
     def _bounded(self, req: GenerationRequest) -> GenerationRequest:
         limit = self.config.ask_max_tokens if req.priority == Priority.ASK else None
@@ -247,93 +355,45 @@ class Executor:
                        else self.config.ask_deadline_s)
         return time.monotonic() + seconds
 
-    def _pick(self) -> Job | None:
-        """Most urgent runnable job: active ones, or queued ones whose session is idle."""
-        busy = {j.request.session for j in self._active}
-        cands = self._active + [j for j in self._queued if j.request.session not in busy]
-        if not cands:
-            return None
-        return min(cands, key=lambda j: (j.request.priority, j.id))
+    def _too_big(self, s: Sequence, need: Need) -> Exception:
+        res = self.blocks.resources()
+        if need.blocks > res.capacity_blocks:
+            return HotPoolFull(f"session {s.session_id!r} needs {need.blocks} hot blocks "
+                               f"({s.final_tokens} tokens) but the hot pool has "
+                               f"{res.capacity_blocks}; raise kv.hot_bytes or lower max tokens")
+        return HotPoolFull(f"session {s.session_id!r} needs {need.bytes} bytes of working copy "
+                           f"but executor.batch_memory_bytes is {res.capacity_bytes}")
 
-    def _worker(self) -> None:
-        current: Job | None = None
-        while True:
-            with self._cond:
-                while True:
-                    if self._stopping and not self._active:
-                        for job in self._queued:
-                            job._finish(None, JobNotRun(f"job {job.id}: executor stopped"))
-                        self._queued.clear()
-                        return
-                    job = self._pick()
-                    if job is not None:
-                        break
-                    self._cond.wait()
-                if job.state is JobState.QUEUED:
-                    self._queued.remove(job)
-            if current is not None and current is not job and current.state is JobState.RUNNING:
-                current._move(JobState.PAUSED)
-                current.pauses += 1
-            current = job
-            if job.state is JobState.QUEUED and not self._begin(job):
-                continue
-            if job.state is JobState.PAUSED:
-                job._move(JobState.RUNNING)
-            self._step(job)
-
-    def _begin(self, job: Job) -> bool:
-        """Start `job`'s generator; False if it ended before starting."""
-        if self.metrics is not None:
-            self.metrics.queue_depth.set(len(self._queued))
-        why = "stopping" if self._stopping else job._stop_reason()
-        if why is not None:
-            self._fail(job, JobNotRun(f"job {job.id} ({job.request.session}): {why} before "
-                                      f"it started"))
-            return False
-        r = job.request
-        job._move(JobState.RUNNING)
-        job.started_step = self.step_count
-        job.started_at = time.monotonic()
-        job._gen = self._run(r.session, r.text, system=r.system, max_new_tokens=r.max_new_tokens,
-                             stop=job._stop_reason, on_text=job._pieces.put)
-        with self._cond:
-            self._active.append(job)
-        return True
-
-    def _step(self, job: Job) -> None:
-        assert job._gen is not None
-        try:
-            next(job._gen)
-        except StopIteration as done:
-            result: GenerationResult = done.value
-            result.queue_wait_s = job.started_at - job.submitted_at
-            self._end(job)
-            self._succeed(job, result)
-        except Exception as exc:  # the worker survives any failure of one request
-            log.error("generation_failed", job=job.id, session=job.request.session,
-                      error=f"{type(exc).__name__}: {exc}")
-            self._end(job)
-            self._fail(job, exc)
-        else:
-            job.steps += 1
-            self.step_count += 1
-            return
-        job.steps += 1
+    def _record_step(self, size: int, tokens: int, seconds: float) -> None:
         self.step_count += 1
-
-    def _end(self, job: Job) -> None:
         with self._cond:
-            if job in self._active:
-                self._active.remove(job)
-
-    def _succeed(self, job: Job, result: GenerationResult) -> None:
-        self.completed += 1
+            self._steps.append((size, tokens, seconds))
         if self.metrics is not None:
-            self.metrics.observe(job.request.priority.name.lower(), result)
-        job._finish(result, None)
+            self.metrics.batch_size.observe(size)
+            self.metrics.step_seconds.observe(seconds)
+            self.metrics.step_tokens.inc(tokens)
+            room = self.blocks.resources()
+            self.metrics.batch_memory.set(room.capacity_bytes - room.free_bytes)
+            self.metrics.queue_depth.set(self._queued_count())
+        if self.on_step is not None:
+            self.on_step(size, tokens, seconds)
 
-    def _fail(self, job: Job, exc: BaseException) -> None:
-        self.failed += 1
-        if self.metrics is not None:
-            self.metrics.requests.labels(job.request.priority.name.lower(), "failed").inc()
-        job._finish(None, exc)
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"n": 0}
+    qs = statistics.quantiles(values, n=20) if len(values) > 1 else [values[0]] * 19
+    return {"n": len(values), "p50": round(statistics.median(values), 4),
+            "p95": round(qs[18], 4), "max": round(max(values), 4)}
+
+
+def _batch_figures(steps: list[tuple[int, int, float]], config: ExecutorConfig
+                   ) -> dict[str, Any]:
+    out: dict[str, Any] = {"max_batch": config.max_batch, "step_tokens": config.step_tokens}
+    if steps:
+        sizes = [s for s, _, _ in steps]
+        out.update(size_last=sizes[-1], size_mean=round(statistics.fmean(sizes), 2),
+                   size_max=max(sizes),
+                   tokens_mean=round(statistics.fmean(t for _, t, _ in steps), 1),
+                   step_s=_quantiles([d for _, _, d in steps]))
+    return out

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvagentd.engine.sequence import GenerationResult
+
+_SIZE_BUCKETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 
 class EngineMetrics:
@@ -30,8 +32,20 @@ class EngineMetrics:
         self.queue_wait = Histogram("kvagentd_engine_queue_wait_seconds", "Time queued",
                                     ["priority"], registry=r)
         self.queue_depth = Gauge("kvagentd_engine_queue_depth", "Requests waiting", registry=r)
+        self.batch_size = Histogram("kvagentd_engine_batch_size", "Sequences per model step",
+                                    buckets=_SIZE_BUCKETS, registry=r)
+        self.step_seconds = Histogram(
+            "kvagentd_engine_step_seconds", "Wall time of one batched model step",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
+        self.step_tokens = Counter("kvagentd_engine_step_tokens_total",
+                                   "Tokens run through batched steps", registry=r)
+        self.preemptions = Counter("kvagentd_engine_preemptions_total",
+                                   "Sequences preempted (blocks given back to the store)",
+                                   ["priority"], registry=r)
+        self.batch_memory = Gauge("kvagentd_engine_batch_memory_bytes",
+                                  "Memory running sequences hold beyond the hot pool", registry=r)
 
-    def observe(self, priority: str, result: Any) -> None:
+    def observe(self, priority: str, result: GenerationResult) -> None:
         outcome = result.finish_reason or "stop"
         self.requests.labels(priority, outcome).inc()
         self.reused_tokens.inc(result.reused_tokens)

@@ -79,7 +79,7 @@ def embedded_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFound(f"embedded model package {EMBEDDED_PACKAGE!r} is not installed; "
                             f"{INSTALL_HINT}")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.is_file():
         raise ModelNotFound(f"embedded model file {path} is missing; {INSTALL_HINT}")
     return path
@@ -130,10 +130,11 @@ def load_hf_dir(hf_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, local_files_only=True,
                                                  attn_implementation="sdpa")
-    model.to(device)
-    model.eval()
-    model.requires_grad_(False)
-    return model, tokenizer
+    m: Any = model
+    m.to(device)
+    m.eval()
+    m.requires_grad_(False)
+    return m, tokenizer
 
 
 def converted_dir(gguf: Path, cache_dir: Path) -> Path:
@@ -166,8 +167,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                               local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32, local_files_only=True)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                      dtype=torch.float32, local_files_only=True)
     # NOTE: a GGUF-loaded model refuses save_pretrained ("quantized with gguf") unless the
     # quantizer marks are removed; the weights are already dequantized at this point.
     model.hf_quantizer = None

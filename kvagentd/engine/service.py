@@ -1,4 +1,4 @@
-"""The engine service: model + sessions + runner + executor over one KV store.
+"""The engine service: model + sessions + continuous-batching executor over one KV store.
 
 Wiring (the store is built from the model's geometry and namespace, before the engine):
 
@@ -9,6 +9,9 @@ Wiring (the store is built from the model's geometry and namespace, before the e
     engine = Engine(loaded, store, state_dir=config.daemon.state_dir,
                     executor_config=config.executor, registry=daemon.metrics)
     engine.start() ... engine.stop()   # stop before store.close()
+
+The engine switches the model to its own attention (`attention.py`); any other call on the
+model still behaves as sdpa.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+import torch
 
 from kvagentd.config import ExecutorConfig
+from kvagentd.engine.blocks import BlockManager, Layout
 from kvagentd.engine.executor import Executor, GenerationRequest, Job, Priority
 from kvagentd.engine.metrics import EngineMetrics
 from kvagentd.engine.model import LoadedModel
-from kvagentd.engine.runner import Runner
-from kvagentd.engine.sessions import Session, SessionStore
+from kvagentd.engine.runner import ModelRunner
+from kvagentd.engine.sequence import GenerationResult
+from kvagentd.engine.sessions import ChatFormat, Session, SessionStore
 from kvagentd.kvcache.base import KVStore, Tier
 
 log = structlog.get_logger(__name__)
@@ -121,21 +127,33 @@ class SessionView:
         return d
 
 
+def kv_layout(name: str, device: torch.device) -> Layout:
+    """`auto`: read the hot pool in place on CUDA (no second copy of the KV in GPU memory);
+    a contiguous working copy on CPU, where it measured faster (see `paged.py`)."""
+    if name == "contiguous" or name == "paged":
+        return name  # type: ignore[return-value]
+    return "paged" if device.type == "cuda" else "contiguous"
+
+
 class Engine:
     """Service: `start()` starts the model worker, `stop()` drains it; `status()` for /v1/status."""
 
     def __init__(self, loaded: LoadedModel, store: KVStore, *, state_dir: Path,
-                 executor_config: ExecutorConfig | None = None, registry: Any = None,
-                 prefill_chunk: int = 512) -> None:
+                 executor_config: ExecutorConfig | None = None, registry: Any = None) -> None:
         self.loaded = loaded
         self.store = store
         self.metrics = EngineMetrics(registry)
         self.table = SessionStore(Path(state_dir))
-        self.runner = Runner(loaded.model, loaded.tokenizer, store, self.table,
-                             prefill_chunk=prefill_chunk,
-                             on_recompute=self.metrics.recomputed_tokens.inc)
-        self.executor = Executor(self.runner.run, executor_config or ExecutorConfig(),
-                                 metrics=self.metrics)
+        self.chat = ChatFormat(loaded.tokenizer)
+        cfg = executor_config or ExecutorConfig()
+        device = store.hot_arena().device
+        self.runner = ModelRunner(loaded.model, device=device,
+                                  max_step_tokens=cfg.step_tokens)
+        self.blocks = BlockManager(store, layout=kv_layout(cfg.kv_layout, device),
+                                   budget_bytes=int(cfg.batch_memory_bytes),
+                                   on_recompute=self.metrics.recomputed_tokens.inc)
+        self.executor = Executor(self.runner, self.blocks, self.table, self.chat,
+                                 loaded.tokenizer, cfg, metrics=self.metrics)
         self.sessions = SessionView(self.table, store, self.executor, loaded.tokenizer)
         self.started_at: float | None = None
 
@@ -147,7 +165,7 @@ class Engine:
         self.executor.start()
         self.started_at = time.time()
         log.info("engine_started", model=self.loaded.name, dtype=str(self.loaded.dtype),
-                 sessions=self.table.count())
+                 sessions=self.table.count(), kv_layout=self.blocks.layout)
 
     def stop(self, timeout: float = 10.0) -> None:
         self.executor.stop(timeout)
@@ -163,20 +181,23 @@ class Engine:
     def submit(self, req: GenerationRequest) -> Job:
         return self.executor.submit(req)
 
-    def ask(self, session: str, text: str, *, max_new_tokens: int = 64,
+    def ask(self, session: str, text: str | None, *, max_new_tokens: int = 64,
             priority: Priority = Priority.ASK, system: str | None = None,
-            timeout: float | None = None) -> Any:
+            timeout: float | None = None) -> GenerationResult:
         """Submit and wait: convenience for scripts and tests."""
         job = self.submit(GenerationRequest(session, text, system, max_new_tokens, priority))
         return job.result(timeout)
 
     def status(self) -> dict[str, Any]:
         g = self.store.geometry
+        ex = self.executor.status()
+        mem = ex["memory"]
+        mem["step_buffer_bytes"] = self.runner.nbytes()
         return {
             "model": self.loaded.name, "fingerprint": self.loaded.fingerprint[:16],
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "device": str(self.loaded.device), "load_s": round(self.loaded.load_s, 2),
             "block_tokens": g.block_tokens, "sessions": self.table.count(),
-            "workspace_bytes": self.runner.workspaces.nbytes(),
-            "executor": self.executor.status(),
+            "workspace_bytes": mem["working_copy_bytes"] + mem["idle_buffer_bytes"],
+            "executor": ex,
         }

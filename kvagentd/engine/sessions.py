@@ -12,9 +12,10 @@ import sqlite3
 import threading
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 KEY_BYTES = 16
@@ -187,8 +188,8 @@ class ChatFormat:
         return self._encode(text) if text else []
 
     def _render(self, messages: list[dict[str, str]], gen_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=gen_prompt)
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=gen_prompt))
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

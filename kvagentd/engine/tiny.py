@@ -11,6 +11,7 @@ import fcntl
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,21 +43,24 @@ def _build(out: Path, *, layers: int, hidden: int, heads: int, kv_heads: int, se
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _smollm2_tokenizer(out.parent)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, initializer_range=0.2,
-    )
+    fields: dict[str, Any] = {
+        "vocab_size": len(tokenizer), "hidden_size": hidden, "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": 8192,
+        "rope_theta": 100000.0, "tie_word_embeddings": True,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id, "initializer_range": 0.2,
+    }
+    config = LlamaConfig(**fields)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model: Any = LlamaForCausalLM(config)
+    model = model.to(torch.float32)
     out.mkdir(parents=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
 
 
-def _smollm2_tokenizer(models_root: Path):
+def _smollm2_tokenizer(models_root: Path) -> Any:
     """SmolLM2's tokenizer: from a converted copy when one exists, else from the GGUF."""
     from transformers import AutoTokenizer
 

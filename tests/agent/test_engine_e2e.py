@@ -81,7 +81,7 @@ def test_rollover_shares_the_system_prompt_blocks(stack, scheduler):
         clock.advance(3)
     assert sessions[-1] == "e2e-b-2"
     s1, s2 = engine.table.get("e2e-b-1"), engine.table.get("e2e-b-2")
-    system_ids = engine.runner.chat.first_turn(SYSTEM_PROMPT, "")
+    system_ids = engine.chat.first_turn(SYSTEM_PROMPT, "")
     common = 0
     while s1.token_ids[common] == s2.token_ids[common]:
         common += 1

@@ -109,19 +109,24 @@ def test_too_few_private_slots_raises(tiny: LoadedModel) -> None:
         tiny.model(input_ids=_ids(40), cache=cache)
 
 
-def test_workspaces_are_reused_and_grow(tiny: LoadedModel) -> None:
+def test_workspaces_are_reused_within_their_budget(tiny: LoadedModel) -> None:
     geo = model_geometry(tiny.model, BLOCK_TOKENS, torch.float32)
-    ws = Workspaces(geo, "cpu")
+    per_256 = Workspaces(geo, "cpu").bytes_for(256)
+    ws = Workspaces(geo, "cpu", budget_bytes=3 * per_256)
     a = ws.acquire(100)
-    assert a.shape[4] >= 100
+    assert a is not None and a.shape[4] >= 100
     ws.release(a)
     b = ws.acquire(50)
-    assert b is a  # reused, not reallocated
+    assert b is a and ws.in_use_bytes() == per_256  # reused, not reallocated
+    c = ws.acquire(500)  # 2 x 256 tokens: the budget is now used up
+    assert c is not None and c.shape[4] >= 500 and ws.in_use_bytes() == 3 * per_256
+    assert not ws.can_acquire(1) and ws.acquire(1) is None
     ws.release(b)
-    c = ws.acquire(1000)
-    assert c.shape[4] >= 1000 and c is not a
     ws.release(c)
-    assert ws.acquire(200) is c and ws.nbytes() == 0  # the too-small buffer was dropped
+    assert ws.nbytes() == 3 * per_256 and ws.in_use_bytes() == 0
+    d = ws.acquire(700)  # 3 x 256: the idle buffers are dropped to make room
+    assert d is not None and d.shape[4] >= 700 and ws.nbytes() == 0
+    assert ws.in_use_bytes() == 3 * per_256
     cache = new_cache(geo, None, 16)
     with torch.no_grad():
         tiny.model(input_ids=_ids(70), cache=cache)  # grows past its first capacity

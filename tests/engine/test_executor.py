@@ -1,223 +1,183 @@
-"""The model worker: priorities, step-level preemption, bounded queue, deadlines, cancel."""
+"""The model worker on the tiny model: joining at step boundaries, priority order, sessions
+never overlapping, bounded queue, deadlines, cancellation, failures."""
 
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable, Generator
 
 import pytest
 
 from kvagentd.config import ExecutorConfig
-from kvagentd.engine.executor import (Executor, GenerationRequest, JobNotRun, Priority,
-                                      QueueFull)
+from kvagentd.engine.executor import GenerationRequest, JobNotRun, Priority, QueueFull
 from kvagentd.engine.model import LoadedModel
-from kvagentd.engine.runner import GenerationResult
 from kvagentd.engine.service import Engine, SessionBusy
 
 from .conftest import make_store
 
 
-def held(run: Callable, session: str, at_step: int, reached: threading.Event,
-         release: threading.Event) -> Callable:
-    """Wrap a run function: `session`'s job blocks inside step `at_step` until `release`."""
+class Gate:
+    """Holds the worker inside its next step (after the forward) until opened."""
 
-    def wrapped(sid: str, *args, **kwargs) -> Generator[None, None, GenerationResult]:
-        gen = run(sid, *args, **kwargs)
-        step = 0
-        while True:
-            if sid == session and step == at_step:
-                reached.set()
-                release.wait(30)
-            try:
-                next(gen)
-            except StopIteration as done:
-                return done.value
-            step += 1
-            yield
+    def __init__(self, eng: Engine) -> None:
+        self.inside, self.open = threading.Event(), threading.Event()
+        self.open.set()
+        eng.executor.on_step = self._on_step
 
-    return wrapped
+    def close(self) -> None:
+        self.inside.clear()
+        self.open.clear()
+
+    def _on_step(self, size: int, tokens: int, seconds: float) -> None:
+        self.inside.set()
+        assert self.open.wait(60)
 
 
-class FakeModel:
-    """A run function whose steps are recorded in one global order."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, int]] = []
-        self.gate = threading.Event()
-        self.gate.set()
-        self.delay = 0.0
-
-    def run(self, session: str, text: str, *, system: str | None, max_new_tokens: int,
-            stop: Callable[[], str | None], on_text: Callable[[str], None],
-            ) -> Generator[None, None, GenerationResult]:
-        res = GenerationResult(session=session)
-        if text == "boom":
-            raise ValueError("model exploded")
-        for i in range(max_new_tokens):
-            self.gate.wait()
-            time.sleep(self.delay)
-            self.log.append((session, i))
-            on_text(f"{i} ")
-            res.new_tokens = i + 1
-            if (why := stop()) is not None:
-                res.finish_reason = why
-                return res
-            if i + 1 < max_new_tokens:
-                yield
-        res.finish_reason = "length"
-        return res
-
-
-def _executor(fake: FakeModel, **kw) -> Executor:
-    ex = Executor(fake.run, ExecutorConfig(**kw))
-    ex.start()
-    return ex
-
-
-def test_tick_preempts_report_within_one_step() -> None:
-    fake = FakeModel()
-    reached, release = threading.Event(), threading.Event()
-    ex = Executor(held(fake.run, "report", 5, reached, release), ExecutorConfig())
-    ex.start()
-    try:
-        report = ex.submit(GenerationRequest("report", "r", max_new_tokens=200,
-                                             priority=Priority.REPORT))
-        assert reached.wait(10)
-        tick = ex.submit(GenerationRequest("tick", "t", max_new_tokens=3,
-                                           priority=Priority.TICK))
-        release.set()
-        assert tick.result(10).new_tokens == 3
-        assert report.result(10).new_tokens == 200
-        assert tick.started_step is not None
-        assert tick.started_step - tick.submitted_step <= 1
-        order = [s for s, _ in fake.log]
-        first_tick = order.index("tick")
-        assert order[first_tick: first_tick + 3] == ["tick"] * 3  # ran to completion at once
-        assert first_tick - tick.submitted_step <= 1
-        assert report.pauses == 1 and order[-1] == "report"
-    finally:
-        ex.stop()
-
-
-def test_priority_order_and_fifo_within_a_class() -> None:
-    fake = FakeModel()
-    fake.gate.clear()
-    ex = _executor(fake)
-    try:
-        jobs = [ex.submit(GenerationRequest("blocker", "b", max_new_tokens=1,
-                                            priority=Priority.REPORT))]
-        time.sleep(0.05)  # the worker is now inside the blocker's first step
-        for sid, prio in [("rep", Priority.REPORT), ("ask1", Priority.ASK),
-                          ("tick", Priority.TICK), ("ask2", Priority.ASK)]:
-            jobs.append(ex.submit(GenerationRequest(sid, "x", max_new_tokens=1, priority=prio)))
-        fake.gate.set()
-        for j in jobs:
-            j.result(10)
-        assert [s for s, _ in fake.log] == ["blocker", "tick", "ask1", "ask2", "rep"]
-    finally:
-        ex.stop()
-
-
-def test_same_session_never_interleaves() -> None:
-    fake = FakeModel()
-    ex = _executor(fake)
-    try:
-        a = ex.submit(GenerationRequest("s", "a", max_new_tokens=5, priority=Priority.REPORT))
-        b = ex.submit(GenerationRequest("s", "b", max_new_tokens=5, priority=Priority.TICK))
-        a.result(10), b.result(10)
-        assert fake.log == [("s", i) for i in range(5)] * 2
-    finally:
-        ex.stop()
-
-
-def test_queue_full_raises() -> None:
-    fake = FakeModel()
-    fake.gate.clear()
-    ex = _executor(fake, queue_size=2)
-    try:
-        running = ex.submit(GenerationRequest("r", "x", max_new_tokens=1))
-        time.sleep(0.05)
-        ex.submit(GenerationRequest("a", "x", max_new_tokens=1))
-        ex.submit(GenerationRequest("b", "x", max_new_tokens=1))
-        with pytest.raises(QueueFull):
-            ex.submit(GenerationRequest("c", "x", max_new_tokens=1))
-        assert ex.status()["rejected"] == 1
-        fake.gate.set()
-        running.result(10)
-    finally:
-        ex.stop()
-
-
-def test_cancel_deadline_and_failure() -> None:
-    fake = FakeModel()
-    fake.delay = 0.002
-    ex = _executor(fake, ask_max_tokens=100_000)
-    try:
-        long = ex.submit(GenerationRequest("long", "x", max_new_tokens=10_000))
-        next(long.stream())
-        long.cancel()
-        assert long.result(10).finish_reason == "cancelled"
-        late = ex.submit(GenerationRequest("late", "x", max_new_tokens=10_000, deadline_s=0.2))
-        r = late.result(30)
-        assert r.finish_reason == "deadline" and 0 < r.new_tokens < 10_000
-        bad = ex.submit(GenerationRequest("bad", "boom"))
-        with pytest.raises(ValueError, match="exploded"):
-            bad.result(10)
-        assert ex.submit(GenerationRequest("ok", "x", max_new_tokens=2)).result(10).new_tokens == 2
-        expired = GenerationRequest("exp", "x", deadline_s=0.0)
-        fake.gate.clear()
-        blocker = ex.submit(GenerationRequest("blk", "x", max_new_tokens=1))
-        time.sleep(0.05)
-        job = ex.submit(expired)
-        fake.gate.set()
-        blocker.result(10)
-        with pytest.raises(JobNotRun):
-            job.result(10)
-    finally:
-        ex.stop()
-
-
-def test_ask_tokens_are_bounded() -> None:
-    fake = FakeModel()
-    ex = _executor(fake, ask_max_tokens=7)
-    try:
-        assert ex.submit(GenerationRequest("a", "x", max_new_tokens=100)).result(10).new_tokens == 7
-        rep = GenerationRequest("r", "x", max_new_tokens=20, priority=Priority.REPORT)
-        assert ex.submit(rep).result(10).new_tokens == 20
-    finally:
-        ex.stop()
-
-
-def test_tick_during_real_report(tiny: LoadedModel, tmp_path: Path) -> None:
-    """On the tiny model: a tick submitted while a 200-token report decodes starts within one
-    decode step, and both answers equal what each would produce alone."""
-    store = make_store(tiny, tmp_path)
-    eng = Engine(tiny, store, state_dir=tmp_path / "state",
-                 executor_config=ExecutorConfig(report_deadline_s=600.0))
-    reached, release = threading.Event(), threading.Event()
-    eng.executor._run = held(eng.runner.run, "weekly", 20, reached, release)
+def _engine(tiny: LoadedModel, path: Path, **cfg: object) -> Iterator[Engine]:
+    store = make_store(tiny, path, hot_blocks=1024, warm_blocks=256)
+    eng = Engine(tiny, store, state_dir=path / "state", executor_config=ExecutorConfig(**cfg))
     eng.start()
     try:
-        report = eng.submit(GenerationRequest("weekly", "Write the weekly report.", "sys-r",
-                                              max_new_tokens=200, priority=Priority.REPORT))
-        assert reached.wait(60)  # the report is in its 20th decode step
-        tick = eng.submit(GenerationRequest("pump-1", "rms 2.1 mm/s", "sys-t",
-                                            max_new_tokens=8, priority=Priority.TICK))
-        release.set()
-        t = tick.result(120)
-        r = report.result(300)
-        assert tick.started_step - tick.submitted_step <= 1
-        assert report.pauses == 1 and t.new_tokens > 0
-        assert r.new_tokens > 21  # the report went on after the tick
-        alone = eng.ask("weekly-2", "Write the weekly report.", max_new_tokens=200,
-                        priority=Priority.REPORT, system="sys-r")
-        assert alone.text == r.text
-        with pytest.raises(SessionBusy):
-            job = eng.submit(GenerationRequest("pump-1", "again", max_new_tokens=50))
-            eng.sessions.drop("pump-1")
-        job.result(60)
+        yield eng
     finally:
         eng.stop()
         store.close()
+
+
+@pytest.fixture()
+def engine(tiny: LoadedModel, tmp_path: Path) -> Iterator[Engine]:
+    yield from _engine(tiny, tmp_path, ask_max_tokens=4096)
+
+
+def test_tick_joins_a_running_report_at_the_next_step(engine: Engine) -> None:
+    gate = Gate(engine)
+    alone = engine.ask("weekly-alone", "Write the weekly report.", max_new_tokens=60,
+                       priority=Priority.REPORT, system="sys-r")
+    tick_alone = engine.ask("pump-alone", "rms 2.1 mm/s", max_new_tokens=8,
+                            priority=Priority.TICK, system="sys-t")
+    gate.close()
+    report = engine.submit(GenerationRequest("weekly", "Write the weekly report.", "sys-r",
+                                             max_new_tokens=60, priority=Priority.REPORT))
+    assert gate.inside.wait(30)  # the worker is inside a report step
+    tick = engine.submit(GenerationRequest("pump-1", "rms 2.1 mm/s", "sys-t",
+                                           max_new_tokens=8, priority=Priority.TICK))
+    gate.open.set()
+    t, r = tick.result(60), report.result(60)
+    assert tick.started_step is not None and tick.started_step - tick.submitted_step <= 1
+    assert report.pauses == 0  # batched together: nothing was preempted
+    assert t.text == tick_alone.text and r.text == alone.text
+    assert engine.executor.status()["batch"]["size_max"] == 2
+
+
+def test_priority_order_and_fifo_within_a_class(tiny: LoadedModel, tmp_path: Path) -> None:
+    for eng in _engine(tiny, tmp_path, max_batch=1, aging_s=0.0):
+        gate = Gate(eng)
+        gate.close()
+        jobs = {"blocker": eng.submit(GenerationRequest("blocker", "b", max_new_tokens=2,
+                                                        priority=Priority.REPORT))}
+        assert gate.inside.wait(30)
+        for sid, prio in [("rep", Priority.REPORT), ("ask1", Priority.ASK),
+                          ("tick", Priority.TICK), ("ask2", Priority.ASK)]:
+            jobs[sid] = eng.submit(GenerationRequest(sid, "x", max_new_tokens=2, priority=prio))
+        gate.open.set()
+        for j in jobs.values():
+            j.result(60)
+        order = sorted(jobs, key=lambda k: jobs[k].started_step or 0)
+        assert order == ["blocker", "tick", "ask1", "ask2", "rep"]
+
+
+def test_same_session_never_overlaps(engine: Engine) -> None:
+    a = engine.submit(GenerationRequest("s", "first", max_new_tokens=6, system="sys"))
+    b = engine.submit(GenerationRequest("s", "second", max_new_tokens=6,
+                                        priority=Priority.TICK))
+    ra, rb = a.result(60), b.result(60)
+    assert b.started_step is not None and a.started_step is not None
+    assert b.started_step >= a.started_step + ra.new_tokens  # after a's last step
+    assert rb.prompt_tokens > ra.prompt_tokens + ra.new_tokens  # its prompt holds a's answer
+    assert engine.table.get("s").turns == 2
+
+
+def test_queue_full_raises(tiny: LoadedModel, tmp_path: Path) -> None:
+    for eng in _engine(tiny, tmp_path, queue_size=2):
+        gate = Gate(eng)
+        gate.close()
+        running = eng.submit(GenerationRequest("r", "x", max_new_tokens=2))
+        assert gate.inside.wait(30)
+        eng.submit(GenerationRequest("a", "x", max_new_tokens=1))
+        eng.submit(GenerationRequest("b", "x", max_new_tokens=1))
+        with pytest.raises(QueueFull):
+            eng.submit(GenerationRequest("c", "x", max_new_tokens=1))
+        assert eng.executor.status()["rejected"] == 1
+        assert eng.executor.status()["queued"]["ask"] == 2
+        gate.open.set()
+        running.result(30)
+
+
+def test_cancel_deadline_and_failure(engine: Engine) -> None:
+    long = engine.submit(GenerationRequest("long", "x", max_new_tokens=2000, system="s"))
+    next(long.stream())
+    long.cancel()
+    r = long.result(60)
+    assert r.finish_reason == "cancelled" and r.new_tokens < 2000
+    assert engine.table.get("long").turns == 1  # the partial answer is kept
+    late = engine.submit(GenerationRequest("late", "x", max_new_tokens=2000, deadline_s=0.3,
+                                           system="s"))
+    r = late.result(60)
+    assert r.finish_reason in ("deadline", "stop") and 0 < r.new_tokens < 2000
+    bad = engine.submit(GenerationRequest("nobody", None))  # nothing to continue
+    with pytest.raises(ValueError, match="no tokens"):
+        bad.result(30)
+    assert engine.ask("ok", "x", max_new_tokens=2, system="s").new_tokens >= 1
+    gate = Gate(engine)
+    gate.close()
+    blocker = engine.submit(GenerationRequest("blk", "x", max_new_tokens=2))
+    assert gate.inside.wait(30)
+    expired = engine.submit(GenerationRequest("exp", "x", deadline_s=0.0))
+    cancelled = engine.submit(GenerationRequest("cnl", "x"))
+    cancelled.cancel()
+    gate.open.set()
+    blocker.result(30)
+    for job in (expired, cancelled):
+        with pytest.raises(JobNotRun):
+            job.result(30)
+    assert engine.table.get("exp") is None and engine.table.get("cnl") is None
+    engine.store.check_integrity()
+
+
+def test_ask_tokens_are_bounded(tiny: LoadedModel, tmp_path: Path) -> None:
+    for eng in _engine(tiny, tmp_path, ask_max_tokens=7):
+        eos = eng.chat.stop_ids
+        r = eng.ask("a", "x", max_new_tokens=100, system="s")
+        assert r.new_tokens == 7 or (r.new_tokens < 7 and r.finish_reason == "stop")
+        rep = eng.ask("r", "x", max_new_tokens=20, priority=Priority.REPORT, system="s")
+        assert rep.new_tokens == 20 or eng.table.get("r").token_ids[-1] in eos or \
+            rep.finish_reason == "stop"
+
+
+def test_busy_session_cannot_be_dropped(engine: Engine) -> None:
+    gate = Gate(engine)
+    gate.close()
+    job = engine.submit(GenerationRequest("pump-1", "again", max_new_tokens=3, system="s"))
+    assert gate.inside.wait(30)
+    with pytest.raises(SessionBusy):
+        engine.sessions.drop("pump-1")
+    gate.open.set()
+    job.result(30)
+    assert engine.sessions.drop("pump-1") is True
+
+
+def test_stop_ends_started_jobs_and_fails_queued_ones(tiny: LoadedModel, tmp_path: Path) -> None:
+    for eng in _engine(tiny, tmp_path, max_batch=1, ask_max_tokens=4096):
+        gate = Gate(eng)
+        gate.close()
+        started = eng.submit(GenerationRequest("a", "x", max_new_tokens=500, system="s"))
+        assert gate.inside.wait(30)
+        queued = eng.submit(GenerationRequest("b", "x", max_new_tokens=5, system="s"))
+        threading.Timer(0.2, gate.open.set).start()
+        eng.executor.stop(30)
+        assert started.result(5).finish_reason == "cancelled"
+        with pytest.raises(JobNotRun):
+            queued.result(5)
+        with pytest.raises(QueueFull, match="stopping"):
+            eng.submit(GenerationRequest("c", "x"))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvagentd.engine.executor import HotPoolFull
 from kvagentd.engine.model import LoadedModel
-from kvagentd.engine.runner import HotPoolFull
 from kvagentd.engine.service import Engine
 from kvagentd.kvcache.base import Tier
 
@@ -32,7 +32,7 @@ def engine(tiny: LoadedModel, tmp_path: Path):
 def _next_ids(eng: Engine, session: str, text: str) -> list[int]:
     s = eng.table.get(session)
     assert s is not None
-    return s.token_ids + eng.runner.chat.next_turn(text)
+    return s.token_ids + eng.chat.next_turn(text)
 
 
 @pytest.mark.parametrize("tier", [Tier.HOT, Tier.WARM, Tier.COLD])
@@ -90,14 +90,14 @@ def test_corrupt_cold_block_is_recomputed_and_counted(engine: Engine, tiny: Load
 def _aligned_question(engine: Engine) -> str:
     """A question whose first-turn prompt is a whole number of blocks."""
     q = "status"
-    while len(engine.runner.chat.first_turn(SYSTEM, q)) % BLOCK_TOKENS:
+    while len(engine.chat.first_turn(SYSTEM, q)) % BLOCK_TOKENS:
         q += " ok"
     return q
 
 
 def test_every_prompt_token_cached(engine: Engine) -> None:
     q = _aligned_question(engine)
-    n_prompt = len(engine.runner.chat.first_turn(SYSTEM, q))
+    n_prompt = len(engine.chat.first_turn(SYSTEM, q))
     a = engine.ask("a", q, max_new_tokens=8, system=SYSTEM)
     b = engine.ask("b", q, max_new_tokens=8, system=SYSTEM)  # same prompt ids, all stored
     assert b.prompt_tokens == n_prompt
@@ -187,14 +187,10 @@ def test_continue_session_without_a_new_turn(engine: Engine, tiny: LoadedModel) 
     ids = engine.table.get("c").token_ids
     stored = len(engine.table.get("c").block_keys) * BLOCK_TOKENS
     expected = greedy_reference(tiny, ids, 4)
-    gen = engine.runner.run("c", None, max_new_tokens=4)
-    with pytest.raises(StopIteration) as done:
-        while True:
-            next(gen)
-    res = done.value.value
+    res = engine.ask("c", None, max_new_tokens=4)
     assert res.prompt_tokens == len(ids)
     assert res.reused_tokens == min(stored, len(ids) - 1) > 0
     assert engine.table.get("c").token_ids[len(ids): len(ids) + res.new_tokens] == \
         expected[: res.new_tokens]
     with pytest.raises(ValueError, match="no tokens"):
-        next(engine.runner.run("unknown", None))
+        engine.ask("unknown", None)

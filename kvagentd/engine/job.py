@@ -1,0 +1,148 @@
+"""A submitted request and its handle: priority, deadline, cancellation, streamed text, result.
+
+Expected outcomes are values: a full queue raises `QueueFull` at submit (409 / exit 75);
+deadline and cancellation end a started job with `finish_reason` "deadline" / "cancelled" and
+its partial answer. A job that never started because its deadline passed, it was cancelled, or
+the executor stopped raises `JobNotRun` from `result()`.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvagentd.engine.sequence import GenerationResult
+
+
+class Priority(enum.IntEnum):
+    TICK = 0
+    ASK = 1
+    REPORT = 2
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    session: str
+    text: str | None  # None: continue the session's ids as they are (no new turn)
+    system: str | None = None  # used only when the session does not exist yet
+    max_new_tokens: int = 64
+    priority: Priority = Priority.ASK
+    deadline_s: float | None = None  # seconds from submit; None = the executor default
+
+
+class QueueFull(RuntimeError):
+    """The bounded queue is full: the caller should answer busy and retry later."""
+
+
+class JobNotRun(RuntimeError):
+    """The job ended before it started (deadline passed in the queue, cancelled, stopped)."""
+
+
+class JobState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"  # preempted: its blocks went back to the store; it resumes from them
+    DONE = "done"
+    FAILED = "failed"
+
+
+_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FAILED}),
+    JobState.RUNNING: frozenset({JobState.PAUSED, JobState.DONE, JobState.FAILED}),
+    JobState.PAUSED: frozenset({JobState.RUNNING, JobState.DONE, JobState.FAILED}),
+    JobState.DONE: frozenset(),
+    JobState.FAILED: frozenset(),
+}
+
+_END = object()
+
+
+class Job:
+    """Handle of one submitted request. The public methods are thread-safe."""
+
+    def __init__(self, job_id: int, request: GenerationRequest, deadline: float | None,
+                 submitted_step: int) -> None:
+        self.id = job_id
+        self.request = request
+        self.state = JobState.QUEUED
+        self.submitted_at = time.monotonic()
+        self.deadline = deadline  # time.monotonic() value or None
+        self.submitted_step = submitted_step  # executor step counter at submit
+        self.started_step: int | None = None  # executor step counter when it first ran
+        self.started_at = 0.0
+        self.steps = 0  # model steps this job took part in
+        self.pauses = 0  # preemptions
+        self._done = threading.Event()
+        self._result: GenerationResult | None = None
+        self._error: BaseException | None = None
+        self._pieces: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._cancel = threading.Event()
+
+    # -- public -----------------------------------------------------------------------------
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"job {self.id} not done after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def stream(self) -> Iterator[str]:
+        """Text pieces as they are generated; ends when the job ends (raises its error)."""
+        while True:
+            item = self._pieces.get()
+            if item is _END:
+                break
+            assert isinstance(item, str)
+            yield item
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def priority(self) -> Priority:
+        return self.request.priority
+
+    def info(self) -> dict[str, Any]:
+        r = self.request
+        return {"id": self.id, "session": r.session, "priority": r.priority.name.lower(),
+                "state": self.state.value, "steps": self.steps, "pauses": self.pauses,
+                "age_s": round(time.monotonic() - self.submitted_at, 3)}
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def move(self, new: JobState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"job {self.id}: illegal transition {self.state} -> {new}")
+        self.state = new
+
+    def stop_reason(self, now: float | None = None) -> str | None:
+        if self._cancel.is_set():
+            return "cancelled"
+        if self.deadline is not None and (now or time.monotonic()) >= self.deadline:
+            return "deadline"
+        return None
+
+    def emit(self, piece: str) -> None:
+        self._pieces.put(piece)
+
+    def finish(self, result: GenerationResult | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self.move(JobState.DONE if error is None else JobState.FAILED)
+        self._pieces.put(_END)
+        self._done.set()

@@ -1,0 +1,150 @@
+"""One request inside the engine: its token ids, its KV while it runs, its result so far.
+
+A sequence's token ids are the session's ids plus the new turn (the prompt), then the tokens it
+generates. Its KV covers `kv.length` of them; the rest (a prompt suffix, a resumed sequence's
+tail, or the last generated token) are its pending tokens, fed at the next steps. Preemption
+drops the KV but keeps the ids, so a resumed sequence continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvagentd.engine.kv import SequenceKV
+from kvagentd.engine.sessions import ChatFormat, Session
+
+if TYPE_CHECKING:
+    from kvagentd.engine.job import Job, Priority
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    session: str
+    text: str = ""
+    new_tokens: int = 0
+    prompt_tokens: int = 0  # every token the model attended to before the first answer token
+    reused_tokens: int = 0  # taken from stored blocks, not recomputed
+    recomputed_tokens: int = 0  # matched in the store but missing/corrupt, so recomputed
+    prefill_tokens: int = 0  # tokens run through the model before the first answer token
+    finish_reason: str = ""  # stop | length | deadline | cancelled
+    ttft_s: float = 0.0  # from admission (after queueing) to the first token
+    total_s: float = 0.0  # from admission to the end
+    queue_wait_s: float = 0.0  # from submit to the first admission
+    preemptions: int = 0
+    loaded: dict[str, int] = field(default_factory=dict)  # blocks by tier they came from
+    timings: dict[str, float] = field(default_factory=dict)  # where the time went
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class Sequence:
+    """The engine's state of one job (owned by the model worker; not thread-safe)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.session_id = job.request.session
+        self.session: Session | None = None
+        self.tokens: list[int] = []
+        self.n_prompt = 0
+        self.kv: SequenceKV | None = None
+        self.used_keys: list[bytes] = []  # stored keys of its leading blocks, held while running
+        self.blocks_held = 0  # hot blocks it holds while running (reused + private)
+        self.bytes_held = 0  # bytes it holds outside the hot pool while running
+        self.result = GenerationResult(session=self.session_id)
+        self.first_admitted_at: float | None = None  # perf_counter() when admission began
+        self.admitted_at = 0.0  # perf_counter() when its latest admission ended
+        self.first_token_at: float | None = None
+        self._shown = ""
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    @property
+    def prepared(self) -> bool:
+        return self.session is not None
+
+    def prepare(self, session: Session, chat: ChatFormat) -> None:
+        """Build the prompt ids: the session's ids plus the new turn (templated alone; history
+        is never re-encoded). A request without text continues the session's ids as they are."""
+        text, system = self.job.request.text, self.job.request.system
+        if text is None:
+            if not session.token_ids:
+                raise ValueError(f"session {session.id!r} has no tokens to continue")
+            ids = list(session.token_ids)
+        elif not session.token_ids:
+            ids = chat.first_turn(system, text)
+        else:
+            ids = session.token_ids + chat.next_turn(text)
+        self.session = session
+        self.tokens = ids
+        self.n_prompt = len(ids)
+        self.result.prompt_tokens = len(ids)
+
+    # -- figures the scheduler reads --------------------------------------------------------
+
+    @property
+    def order(self) -> int:
+        return self.job.id
+
+    @property
+    def priority(self) -> Priority:
+        return self.job.request.priority
+
+    @property
+    def submitted_at(self) -> float:
+        return self.job.submitted_at
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.n_prompt:]
+
+    @property
+    def remaining_new(self) -> int:
+        return max(0, self.job.request.max_new_tokens - (len(self.tokens) - self.n_prompt))
+
+    @property
+    def final_tokens(self) -> int:
+        """Most positions its KV can reach: every id so far plus the tokens still to come."""
+        return len(self.tokens) + self.remaining_new
+
+    @property
+    def running(self) -> bool:
+        return self.kv is not None
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet run through the model (0 when not running)."""
+        return 0 if self.kv is None else len(self.tokens) - self.kv.length
+
+    def chunk(self, n: int) -> list[int]:
+        return self.tokens[self.kv_or_fail().length: self.kv_or_fail().length + n]
+
+    def kv_or_fail(self) -> SequenceKV:
+        if self.kv is None:
+            raise RuntimeError(f"sequence of session {self.session_id!r} is not running")
+        return self.kv
+
+    # -- generation -------------------------------------------------------------------------
+
+    def accept(self, token: int, chat: ChatFormat, tokenizer: Any) -> str | None:
+        """Take the next greedy token; returns why the sequence ends now, or None."""
+        first = len(self.tokens) == self.n_prompt
+        self.tokens.append(token)
+        if first:
+            now = self.first_token_at = time.perf_counter()
+            self.result.ttft_s = now - (self.first_admitted_at or now)
+            self.result.timings["prefill_s"] = now - self.admitted_at
+        if token in chat.stop_ids:
+            return "stop"
+        text = tokenizer.decode(self.generated, skip_special_tokens=True)
+        if text.startswith(self._shown) and len(text) > len(self._shown):
+            self.job.emit(text[len(self._shown):])
+            self._shown = text
+        if self.remaining_new == 0:
+            return "length"
+        return None
+
+    def final_text(self, tokenizer: Any) -> str:
+        return str(tokenizer.decode(self.generated, skip_special_tokens=True))
