@@ -21,7 +21,7 @@ import structlog
 
 from kvagentd.config import AgentConfig
 from kvagentd.engine.executor import GenerationRequest, Priority, QueueFull
-from kvagentd.engine.runner import GenerationResult
+from kvagentd.engine.sequence import GenerationResult
 
 log = structlog.get_logger(__name__)
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvagentd.config import AgentConfig, AssetConfig
 from kvagentd.engine.executor import GenerationRequest, QueueFull
-from kvagentd.engine.runner import GenerationResult
+from kvagentd.engine.sequence import GenerationResult
 
 
 class FakeJob:

@@ -133,7 +133,7 @@ def test_full_blocks_land_in_their_slots(tiny: LoadedModel) -> None:
     with torch.no_grad():
         ref = tiny.model(input_ids=torch.tensor([s.prompt + s.tokens]),
                          cache=DynamicCache(config=tiny.model.config)).cache
-    for layout, kv in written.items():
+    for kv in written.values():
         arena = kv.arena
         assert arena is not None
         for b, slot in kv.written:

@@ -115,7 +115,7 @@ def test_no_starvation_under_a_saturated_tick_load() -> None:
     started: dict[str, float] = {}
     for now in range(60):
         waiting.append(Seq(f"tick{now}", Priority.TICK, submitted_at=float(now)))
-        for k, (s, end) in list(running.items()):
+        for k, (_, end) in list(running.items()):
             if end <= now:
                 del running[k]
         plan = sch.admission(waiting, [s for s, _ in running.values()], _needs(waiting),
