@@ -26,14 +26,7 @@ import structlog
 
 from kvagentd.config import ExecutorConfig
 from kvagentd.engine.blocks import BlockManager
-from kvagentd.engine.job import (
-    GenerationRequest,
-    Job,
-    JobNotRun,
-    JobState,
-    Priority,
-    QueueFull,
-)
+from kvagentd.engine.job import GenerationRequest, Job, JobState, Priority
 from kvagentd.engine.metrics import EngineMetrics
 from kvagentd.engine.runner import ModelRunner
 from kvagentd.engine.scheduler import Need, Scheduler, SchedulerConfig
@@ -47,6 +40,14 @@ log = structlog.get_logger(__name__)
 
 _IDLE_RETRY_S = 0.05  # wait when nothing could run (room held outside the engine)
 _WINDOW = 256  # steps and requests kept for status figures
+
+
+class QueueFull(RuntimeError):
+    """The bounded queue is full: the caller should answer busy and retry later (409)."""
+
+
+class JobNotRun(RuntimeError):
+    """The job ended before it started (deadline passed in the queue, cancelled, stopped)."""
 
 
 class HotPoolFull(RuntimeError):

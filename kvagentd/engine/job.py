@@ -1,9 +1,8 @@
 """A submitted request and its handle: priority, deadline, cancellation, streamed text, result.
 
-Expected outcomes are values: a full queue raises `QueueFull` at submit (409 / exit 75);
-deadline and cancellation end a started job with `finish_reason` "deadline" / "cancelled" and
-its partial answer. A job that never started because its deadline passed, it was cancelled, or
-the executor stopped raises `JobNotRun` from `result()`.
+Deadline and cancellation end a started job with `finish_reason` "deadline" / "cancelled" and
+its partial answer; what `result()` raises otherwise is the executor's (`executor.JobNotRun`,
+`executor.HotPoolFull`, ...) or the request's own error.
 """
 
 from __future__ import annotations
@@ -33,14 +32,6 @@ class GenerationRequest:
     max_new_tokens: int = 64
     priority: Priority = Priority.ASK
     deadline_s: float | None = None  # seconds from submit; None = the executor default
-
-
-class QueueFull(RuntimeError):
-    """The bounded queue is full: the caller should answer busy and retry later."""
-
-
-class JobNotRun(RuntimeError):
-    """The job ended before it started (deadline passed in the queue, cancelled, stopped)."""
 
 
 class JobState(enum.Enum):
