@@ -251,6 +251,25 @@ class MaintenanceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """Thresholds of the health checks (`kvctl health`); every field reloads on SIGHUP."""
+
+    window_s: float = field(default=600.0, metadata=_rng(10.0, 86400.0))  # skips, p99, job failures
+    tick_late_intervals: float = field(default=3.0, metadata=_rng(1.0, 1000.0))
+    skip_rate_degraded: float = field(default=0.05, metadata=_rng(0.0, 1.0))
+    skip_rate_failing: float = field(default=0.5, metadata=_rng(0.0, 1.0))
+    min_due_ticks: int = field(default=5, metadata=_rng(1, 100_000))  # fewer: too few to judge
+    tick_p99_degraded: float = field(default=1.0, metadata=_rng(0.01, 1000.0))  # x tick interval
+    tick_p99_failing: float = field(default=3.0, metadata=_rng(0.01, 1000.0))
+    sensor_stale_s: float = field(default=0.0, metadata=_rng(0.0, 86400.0))  # 0: the agent's
+    shadow_fill_degraded: float = field(default=0.8, metadata=_rng(0.0, 1.0))
+    shadow_fill_failing: float = field(default=0.95, metadata=_rng(0.0, 1.0))
+    wear_degraded_percent: float = field(default=70.0, metadata=_rng(0.0, 100.0))
+    wear_unknown: Literal["ok", "degraded"] = "ok"  # no SMART status file (yet)
+    memory_available_degraded: float = field(default=0.05, metadata=_rng(0.0, 1.0))
+
+
+@dataclass(frozen=True, slots=True)
 class DebugConfig:
     """Fault injection for tests and drills; everything off by default."""
 
@@ -273,6 +292,7 @@ class Config:
     executor: ExecutorConfig = ExecutorConfig()
     agent: AgentConfig = AgentConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
+    health: HealthConfig = HealthConfig()
     debug: DebugConfig = DebugConfig()
 
     @property
@@ -285,6 +305,7 @@ RELOADABLE = frozenset({
     "daemon.log_level", "agent.tick_interval_s", "agent.weekly_report_cron",
     "maintenance.defrag_interval_s", "maintenance.health_interval_s",
     "maintenance.scrub_interval_s", "placement.interval_s",
+    *(f"health.{f.name}" for f in dataclasses.fields(HealthConfig)),
 })
 
 
@@ -459,6 +480,17 @@ def _cross_checks(cfg: Config) -> None:
     if cfg.placement.warm_factor > cfg.placement.hot_factor:
         raise ConfigError("placement.warm_factor", cfg.placement.warm_factor,
                           f"a number <= placement.hot_factor ({cfg.placement.hot_factor})")
+    h = cfg.health
+    for low, high in (("skip_rate_degraded", "skip_rate_failing"),
+                      ("tick_p99_degraded", "tick_p99_failing"),
+                      ("shadow_fill_degraded", "shadow_fill_failing")):
+        if getattr(h, low) > getattr(h, high):
+            raise ConfigError(f"health.{low}", getattr(h, low),
+                              f"a number <= health.{high} ({getattr(h, high)})")
+    if h.wear_degraded_percent > cfg.maintenance.wear_readonly_percent:
+        raise ConfigError("health.wear_degraded_percent", h.wear_degraded_percent,
+                          "a number <= maintenance.wear_readonly_percent "
+                          f"({cfg.maintenance.wear_readonly_percent})")
     if cfg.model.source in ("hf_dir", "gguf") and cfg.model.path is None:
         raise ConfigError("model.path", None, f"a path when model.source = {cfg.model.source!r}")
     if cfg.kv.io_unit_bytes % 4096:

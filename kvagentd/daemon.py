@@ -36,6 +36,8 @@ from kvagentd.config import RELOADABLE, Config, ConfigError, diff_reloadable, lo
 from kvagentd.control.handlers import register_all
 from kvagentd.control.router import Router
 from kvagentd.control.server import ControlServer, ControlSocketInUse
+from kvagentd.health import Acknowledgements, DaemonFacts, Report, assess, gather
+from kvagentd.jobwatch import JobWatch
 from kvagentd.kvcache.transitions import check_transition
 from kvagentd.metrics import CoreMetrics, new_registry
 from kvagentd.services import BuildContext, Service, Services, build_services
@@ -72,7 +74,7 @@ _TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.STOPPED: frozenset(),
 }
 
-_HEALTH_RANK = {"ok": 0, "degraded": 1, "failing": 2}
+STATUS_EVERY_S = 5.0  # the systemd STATUS line (and health transitions) are refreshed this often
 
 
 class Daemon:
@@ -87,8 +89,11 @@ class Daemon:
         self.metrics = new_registry()
         self.core_metrics = CoreMetrics(self.metrics)
         self.scheduler = BackgroundScheduler()
+        self.jobs = JobWatch()
         self.scheduler.add_listener(self._on_job_event, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR
                                     | EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
+        self.acks = Acknowledgements()
+        self._health_level = "ok"
         self.started_at = time.time()
         self._t0 = time.monotonic()
         self._build = build
@@ -226,7 +231,7 @@ class Daemon:
         wd = self.notifier.watchdog_interval_s
         now = time.monotonic()
         next_watchdog = now
-        next_status = now + 5.0
+        next_status = now + STATUS_EVERY_S
         while self._stop_reason is None:
             now = time.monotonic()
             timeout = interval if wd is None else max(0.0, min(interval, next_watchdog - now))
@@ -246,7 +251,7 @@ class Daemon:
                     log.error("watchdog_withheld", reason="control or scheduler thread died")
                 next_watchdog = now + wd
             if now >= next_status:
-                next_status = now + 5.0
+                next_status = now + STATUS_EVERY_S
                 line = self._status_line()
                 if line != self._last_status_line:
                     self.notifier.status(line)
@@ -404,70 +409,78 @@ class Daemon:
                 out[name] = {"error": f"{type(exc).__name__}: {exc}"}
         return out
 
+    def health_report(self) -> Report:
+        """Every named check (`kvagentd.health`), judged now."""
+        return assess(self.config, self._health_facts(), self.acks)
+
     def health(self) -> dict[str, Any]:
-        """{"status": ok|degraded|failing, "checks": [{name, status, detail}]}."""
-        checks: list[dict[str, Any]] = []
+        """`{"status": ok|degraded|failing, "checks": [{name, status, reason}], ...}`."""
+        return self.health_report().as_dict()
 
-        def add(name: str, status: str, detail: str) -> None:
-            checks.append({"name": name, "status": status, "detail": detail})
+    def ack_health(self, names: list[str]) -> dict[str, Any]:
+        """Acknowledge the counters behind the named checks (all ackable ones when empty);
+        raises KeyError naming a check that counts nothing to acknowledge."""
+        facts = self._health_facts()
+        ackable = {c.name for c in assess(self.config, facts, self.acks).checks if c.ackable}
+        unknown = [n for n in names if n not in ackable and n != "jobs"]
+        if unknown:
+            raise KeyError(f"{unknown[0]!r} counts nothing to acknowledge; ackable: "
+                           + ", ".join(sorted(ackable)))
+        seen = self.acks.ack(facts.counters(), time.time(), names)
+        log.info("health_acknowledged", counters=seen)
+        return {"acknowledged": seen, "health": assess(self.config, facts, self.acks).as_dict()}
 
-        if self.ready:
-            add("daemon", "ok", f"running for {self.uptime_s():.0f} s")
-        else:
-            add("daemon", "degraded" if self._phase is Phase.STARTING else "failing", self.phase)
-        stale = time.monotonic() - self._last_progress
-        limit = 3 * self.config.daemon.main_loop_interval_s + 5.0
-        if self._phase is Phase.RUNNING:
-            add("main_loop", "ok" if stale <= limit else "failing",
-                f"last iteration {stale:.1f} s ago")
-        add("scheduler", "ok" if self.scheduler.running else "failing",
-            f"{len(self.scheduler.get_jobs())} jobs" if self.scheduler.running else "not running")
-        host = host_status([self.config.daemon.state_dir, self.config.kv.cold_dir])
-        mem = host["memory"]
-        add("memory", "degraded" if mem["available_bytes"] < mem["total_bytes"] * 0.05 else "ok",
-            f"{mem['available_bytes'] / 2**30:.1f} GiB available")
-        floor = self.config.maintenance.free_space_floor_bytes
-        for disk in host["disks"]:
-            if "free_bytes" not in disk:
-                add(f"disk {disk['path']}", "failing", disk.get("error", "unreadable"))
-                continue
-            add(f"disk {disk['path']}", "degraded" if disk["free_bytes"] < floor else "ok",
-                f"{disk['free_bytes'] / 2**30:.1f} GiB free")
-        for name, service in self.services.in_order():
-            try:
-                h = service.health()
-                if h is None:
-                    continue
-                add(name, h.get("status", "ok"), str(h.get("detail", "")))
-            except Exception as exc:  # a failing probe is itself a failing check
-                log.error("service_health_failed", service=name, exc_info=exc)
-                add(name, "failing", f"health probe raised {type(exc).__name__}: {exc}")
-        worst = max((c["status"] for c in checks), key=lambda s: _HEALTH_RANK.get(s, 2))
-        return {"status": worst, "checks": checks}
+    def _health_facts(self) -> Any:
+        running = self._phase is Phase.RUNNING
+        return gather(
+            self.config, self.services, started=set(self._started_names()),
+            daemon=DaemonFacts(
+                phase=self.phase, uptime_s=self.uptime_s(),
+                main_loop_age_s=time.monotonic() - self._last_progress if running else None,
+                main_loop_limit_s=3 * self.config.daemon.main_loop_interval_s + 5.0,
+                scheduler_running=self.scheduler.running,
+                scheduler_jobs=len(self.scheduler.get_jobs()) if self.scheduler.running else 0),
+            jobs=self.jobs, scheduler=self.scheduler if self.scheduler.running else None,
+            now=time.time())
 
     # -- internals ---------------------------------------------------------------------------
 
     def _status_line(self) -> str:
-        parts = [f"{self.phase}"]
+        """The systemd STATUS line: the phase, then the health (its worst checks) while
+        running; a change of health level is logged once."""
+        if self._phase is not Phase.RUNNING:
+            return f"{self.phase}; services: " + (", ".join(self._started_names()) or "none")
+        try:
+            report = self.health_report()
+        except Exception as exc:  # the status line must never stop the main loop
+            log.error("health_report_failed", exc_info=exc)
+            return f"{self.phase}; health unknown: {type(exc).__name__}"
+        level = report.level.value
+        if level != self._health_level:
+            event = log.info if level == "ok" else log.warning
+            event("health_changed", old=self._health_level, new=level,
+                  checks={c.name: c.reason for c in report.not_ok()})
+            self._health_level = level
+        line = f"{self.phase}; health {report.summary(limit=2)}"
         if self.server is not None:
-            parts.append(f"socket {self.server.path}")
-            parts.append(f"{self.server.in_flight} requests in flight")
-        parts.append("services: " + (", ".join(self._started_names()) or "none"))
-        return "; ".join(parts)
+            line += f"; {self.server.in_flight} requests in flight"
+        return line[:400]
 
     def _threads_alive(self) -> bool:
         server_ok = self.server is None or self.server.serving
         return server_ok and self.scheduler.running
 
     def _on_job_event(self, event: JobEvent) -> None:
-        outcome = {EVENT_JOB_EXECUTED: "ok", EVENT_JOB_ERROR: "error",
-                   EVENT_JOB_MISSED: "missed",
-                   EVENT_JOB_MAX_INSTANCES: "skipped_overlap"}.get(event.code, "other")
-        self.core_metrics.job_runs.labels(event.job_id, outcome).inc()
+        outcome = self.jobs.on_event(event)
+        label = "skipped_overlap" if outcome == "skipped" else outcome
+        self.core_metrics.job_runs.labels(event.job_id, label).inc()
         if outcome == "error":
             log.error("job_failed", job=event.job_id, exc_info=getattr(event, "exception", None))
-        elif outcome in ("missed", "skipped_overlap"):
-            log.warning("job_skipped", job=event.job_id, reason=outcome)
+        elif outcome in ("missed", "skipped"):
+            rec = self.jobs.record(event.job_id)
+            log.warning("job_skipped", job=event.job_id, reason=label,
+                        skipped_total=rec.skipped if rec else None,
+                        missed_total=rec.missed if rec else None)
 
 
 def _with_field(cfg: Any, parts: list[str], source: Any) -> Any:

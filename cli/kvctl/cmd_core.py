@@ -16,7 +16,11 @@ _CORE_KEYS = {"version", "pid", "phase", "ready", "started_at", "uptime_s", "con
 
 def register(app: typer.Typer) -> None:
     app.command("status")(status)
-    app.command("health")(health)
+    health_app = typer.Typer(help="Named health checks; exits 1 unless every check is ok.",
+                             invoke_without_command=True)
+    health_app.callback()(health)
+    health_app.command("ack")(health_ack)
+    app.add_typer(health_app, name="health")
     config_app = typer.Typer(help="Inspect the daemon's configuration.", no_args_is_help=True)
     config_app.command("show")(config_show)
     app.add_typer(config_app, name="config")
@@ -31,12 +35,28 @@ def status(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = Fal
 
 def health(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
            timeout: TimeoutOpt = None) -> None:
-    """Health checks; exits 1 when the daemon reports itself failing."""
+    """Every health check with its status and reason; exits 1 unless all are ok."""
+    if ctx.invoked_subcommand is not None:
+        return
     o = opts(ctx, socket, json_out, timeout)
     report = call(o, "GET", "/v1/health", ok=(503,))
     render.emit(o, report, render_health)
-    if report.get("status") == "failing":
+    if report.get("status") != "ok":
         raise typer.Exit(EX_FAILURE)
+
+
+def health_ack(ctx: typer.Context,
+               checks: Annotated[list[str] | None, typer.Argument(
+                   metavar="[CHECK]...",
+                   help="checks whose counters to acknowledge, e.g. lost-blocks "
+                        "[default: every check that counts faults]")] = None,
+               socket: SocketOpt = None, json_out: JsonOpt = False,
+               timeout: TimeoutOpt = None) -> None:
+    """Acknowledge counted faults (checksum failures, lost blocks, a discarded cold index,
+    failed jobs): those checks count from now on. Faults still present stay reported."""
+    o = opts(ctx, socket, json_out, timeout)
+    reply = call(o, "POST", "/v1/health/ack", body={"checks": list(checks or [])})
+    render.emit(o, reply, render_ack)
 
 
 def config_show(ctx: typer.Context,
@@ -205,9 +225,22 @@ _SUMMARIES = {"store": _store_summary, "engine": _engine_summary,
 
 def render_health(h: dict[str, Any]) -> str:
     head = f"health: {h.get('status', '?')}"
-    checks = h.get("checks") or []
+    if h.get("acknowledged_at"):
+        head += f"  (counters acknowledged {render.when(h['acknowledged_at'])})"
+    checks = [{**c, "reason": c.get("reason", c.get("detail", ""))}
+              for c in h.get("checks") or []]
     return head + "\n" + render.table(checks, [("name", "check"), ("status", "status"),
-                                               ("detail", "detail")])
+                                               ("reason", "reason")])
+
+
+def render_ack(reply: dict[str, Any]) -> str:
+    seen = reply.get("acknowledged") or {}
+    lines = ["acknowledged: " + (", ".join(f"{k} ({v})" for k, v in sorted(seen.items()))
+                                 or "nothing to acknowledge")]
+    health = reply.get("health")
+    if isinstance(health, dict):
+        lines.append(render_health(health))
+    return "\n".join(lines)
 
 
 def render_config(reply: dict[str, Any]) -> str:

@@ -108,3 +108,27 @@ def duration(seconds: float | None) -> str:
 
 def percent(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}%"
+
+
+def when(t: float | int | str | None) -> str:
+    """Unix seconds (or an ISO 8601 string) as local time, '2026-12-01 12:03:05', with the
+    age when recent: '2026-12-01 12:03:05 (4m 2s ago)'."""
+    if t is None or t == "":
+        return "-"
+    import time
+    from datetime import datetime
+
+    if isinstance(t, str):
+        try:
+            ts = datetime.fromisoformat(t).timestamp()
+        except ValueError:
+            return t
+    else:
+        ts = float(t)
+    text = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    ago = time.time() - ts
+    if 0 <= ago < 7 * 86400:
+        text += f" ({duration(ago)} ago)"
+    elif -7 * 86400 < ago < 0:
+        text += f" (in {duration(-ago)})"
+    return text

@@ -42,6 +42,7 @@ from kvagentd.agent.model_client import Executor, ModelClient
 from kvagentd.agent.reports import ReportWriter
 from kvagentd.agent.sensors import BadData, make_source, validate
 from kvagentd.agent.state import AssetState
+from kvagentd.agent.view import AssetView, asset_view
 from kvagentd.agent.windows import WindowStore
 from kvagentd.config import AgentConfig, Config
 from kvagentd.engine.executor import Priority
@@ -127,7 +128,21 @@ class Agent:
         log.info("agent.stopped")
 
     def health(self) -> dict[str, Any] | None:
-        return None
+        """The service itself: running (its tick jobs scheduled) or not. How each asset is
+        doing is `asset_views()` (the daemon's health checks judge it)."""
+        if not self._running:
+            return {"status": "failing", "detail": "the agent is not running"}
+        return {"status": "ok", "detail": "assets: " + ", ".join(self.assets)}
+
+    def asset_views(self) -> list[AssetView]:
+        """Per asset: sensor link, data freshness and the last measurement (read-only)."""
+        now = self.clock()
+        views = []
+        for name, st in self.assets.items():
+            last = self.events.recent(name, 1)
+            views.append(asset_view(st, last[-1] if last else None, self.config, now=now,
+                                    started_at=self.started_at))
+        return views
 
     def reload(self, full: Config) -> None:
         """Apply a new tick interval / report cron from the `agent` section; asset changes
@@ -170,12 +185,13 @@ class Agent:
         st = self.assets.get(event.job_id[len(jobs.TICK_PREFIX):])
         if st is None:
             return
+        # NOTE: counted here for status; the daemon logs one (rate-limited) warning per skip.
         if event.code == EVENT_JOB_MAX_INSTANCES:
             st.skipped += 1
-            log.warning("agent.tick_skipped", asset=st.asset.name, skipped=st.skipped)
+            log.debug("agent.tick_skipped", asset=st.asset.name, skipped=st.skipped)
         else:
             st.missed += 1
-            log.warning("agent.tick_missed", asset=st.asset.name, missed=st.missed)
+            log.debug("agent.tick_missed", asset=st.asset.name, missed=st.missed)
 
     def _tick_job(self, asset: str) -> None:
         st = self.assets[asset]

@@ -108,6 +108,11 @@ class Executor:
             self._thread.join(timeout)
             self._thread = None
 
+    @property
+    def running(self) -> bool:
+        """True while the worker thread is alive (it can take requests)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
     # -- API --------------------------------------------------------------------------------
 
     def submit(self, req: GenerationRequest) -> Job:

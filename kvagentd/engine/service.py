@@ -173,7 +173,10 @@ class Engine:
         log.info("engine_stopped")
 
     def health(self) -> dict[str, Any] | None:
-        return None
+        """The service itself: the model worker thread runs."""
+        if not self.executor.running:
+            return {"status": "failing", "detail": "the model worker thread is not running"}
+        return {"status": "ok", "detail": f"model {self.loaded.name} on {self.loaded.device}"}
 
     def reload(self, config: object) -> None:
         """Nothing of the engine is reloadable."""

@@ -273,6 +273,7 @@ class HealthReport:
     status_file: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     checked_at: float = 0.0
+    wear_percent: float | None = None  # SMART percentage used, when the status file has it
 
 
 class HealthMonitor:
@@ -363,7 +364,7 @@ class HealthMonitor:
             log.warning("ssd_health", warning=w)
         self.last = HealthReport(status.state.value, self._read_only_by_wear, free,
                                  int(m.free_space_floor_bytes), errors, evicted, failover,
-                                 status.as_dict(), warnings, self.clock())
+                                 status.as_dict(), warnings, self.clock(), wear)
         return self.last
 
     def _free(self) -> int | None:

@@ -27,7 +27,7 @@ def test_start_ready_stop_with_notify_order_and_socket_removed(spawn) -> None:
     p = spawn(env={"WATCHDOG_USEC": "300000"})
     ready = p.notify.wait_for("READY=1")
     assert p.socket.exists()
-    assert p.get("/v1/readyz") == {"ready": True}
+    assert p.get("/v1/readyz") == {"ready": True, "health": "ok"}
     assert any(f.startswith("STATUS=") for f in ready.split("\n"))
     p.notify.wait_for("WATCHDOG=1")  # half of WATCHDOG_USEC, from the main loop
     p.send_signal(signal.SIGTERM)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ class FakeService:
         self.name, self.journal = name, journal
         self.fail_status, self.health_value, self.fail_stop = fail_status, health, fail_stop
         self.reloaded: list[Any] = []
+        self.counters = {"lost": 0}  # what the health checks read of a store
+        self.monitor = types.SimpleNamespace(last=None)  # ... and of maintenance
 
     def health(self) -> dict[str, Any] | None:
         if self.health_value is None:
@@ -109,8 +112,10 @@ def test_status_and_health_merge_present_services_only(tmp: Path) -> None:
         assert s["services"] == ["store", "maintenance"]
         h = d.health()
         assert h["status"] == "degraded"
-        assert {"name": "maintenance", "status": "degraded",
-                "detail": "maintenance says so"} in h["checks"]
+        assert {"name": "service:maintenance", "status": "degraded",
+                "reason": "maintenance says so"} in h["checks"]
+        assert {"name": "service:store", "status": "ok", "reason": "store says so"} \
+            in h["checks"]
     finally:
         d.shutdown()
 

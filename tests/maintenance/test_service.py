@@ -85,7 +85,8 @@ def test_health_status_failed_fails_over_and_probes_fail_back(env):
                         health.HealthStatus(health.HealthState.FAILED, 0.0, "/dev/x", s, ("ro",)))
     m._health_job()
     assert cold.serving is ServingTier.SHADOW
-    assert m.health()["status"] == "degraded" and "shadow" in m.health()["detail"]
+    view = cold.view()
+    assert view.serving == "shadow" and "SSD health failed" in view.reason
     assert cold.put(key(2), block(2)) and cold.shadow.contains(key(2))
     s = health.SmartData("nvme-cli", 10, 5, 0, 100, 10)
     health.write_status(cfg.maintenance.health_status_file,
@@ -95,7 +96,8 @@ def test_health_status_failed_fails_over_and_probes_fail_back(env):
     m._health_job()
     assert cold.serving is ServingTier.SSD and cold.shadow.keys() == []
     assert cold.primary.contains(key(2))
-    assert m.health() == {"status": "ok", "detail": "cold tier on the SSD; SSD health ok"}
+    assert cold.view().serving == "ssd" and cold.view().failbacks == 1
+    assert m.monitor.last is not None and m.monitor.last.state == "ok"
 
 
 def test_wear_makes_the_cold_tier_read_only(env):

@@ -7,13 +7,13 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvagentd.config import RELOADABLE, config_to_dict
-from kvagentd.control.errors import NotReady
+from kvagentd.control.errors import BadRequest, NotReady
 from kvagentd.control.router import Request, Response, Router
 
 
 def register(router: Router, daemon: Any) -> None:
-    """`daemon` provides: ready, status(), health(), config, config_path, metrics,
-    request_shutdown(reason)."""
+    """`daemon` provides: ready, phase, status(), health(), ack_health(names), config,
+    config_path, metrics, request_shutdown(reason)."""
 
     @router.route("GET", "/v1/livez", change=False, before_ready=True)
     def livez(req: Request) -> dict[str, Any]:
@@ -21,9 +21,15 @@ def register(router: Router, daemon: Any) -> None:
 
     @router.route("GET", "/v1/readyz", change=False, before_ready=True)
     def readyz(req: Request) -> dict[str, Any]:
+        """Ready: running and no health check failing (degraded still serves)."""
         if not daemon.ready:
             raise NotReady(f"kvagentd is {daemon.phase}")
-        return {"ready": True}
+        report = daemon.health()
+        failing = [f"{c['name']}: {c['reason']}" for c in report["checks"]
+                   if c["status"] == "failing"]
+        if failing:
+            raise NotReady("health failing: " + "; ".join(failing), kind="unhealthy")
+        return {"ready": True, "health": report["status"]}
 
     @router.route("GET", "/v1/status", change=False, before_ready=True)
     def status(req: Request) -> dict[str, Any]:
@@ -33,6 +39,17 @@ def register(router: Router, daemon: Any) -> None:
     def health(req: Request) -> Response:
         report = daemon.health()
         return Response(report, status=503 if report["status"] == "failing" else 200)
+
+    @router.route("POST", "/v1/health/ack", change=True, before_ready=True)
+    def health_ack(req: Request) -> dict[str, Any]:
+        """{"checks": [names]} (default: every check that counts faults)."""
+        names = req.json_object().get("checks", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise BadRequest("'checks' must be a list of check names")
+        try:
+            return dict(daemon.ack_health(names))
+        except KeyError as exc:
+            raise BadRequest(str(exc.args[0])) from None
 
     @router.route("GET", "/v1/config", change=False, before_ready=True)
     def config(req: Request) -> dict[str, Any]:

@@ -3,9 +3,10 @@
 the builder. See `kvagentd.kvcache.base.ColdTier` for the contract."""
 
 from kvagentd.kvcache.cold.build import ColdTierSpec, build_cold_tier
-from kvagentd.kvcache.cold.failover import FailoverColdStore, FailoverError, ServingTier
+from kvagentd.kvcache.cold.failover import (ColdView, FailoverColdStore, FailoverError,
+                                             ServingTier)
 from kvagentd.kvcache.cold.faults import FaultPlan, FaultyFileIO
 from kvagentd.kvcache.cold.store import ColdStore
 
-__all__ = ["ColdStore", "ColdTierSpec", "FailoverColdStore", "FailoverError", "FaultPlan",
+__all__ = ["ColdStore", "ColdView", "ColdTierSpec", "FailoverColdStore", "FailoverError", "FaultPlan",
            "FaultyFileIO", "ServingTier", "build_cold_tier"]

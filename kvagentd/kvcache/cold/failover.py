@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 import torch
@@ -67,6 +67,25 @@ def _io_errors(store: ColdStore) -> int:
     """Faults a cold store has counted: read I/O errors plus failed writes (EIO, ENOSPC, EROFS)."""
     c = store.counters
     return c["io_errors"] + c["write_failures"]
+
+
+class ColdView(NamedTuple):
+    """What `FailoverColdStore.view()` reports: serving state and per-device counters
+    ("ssd", "shadow": the `ColdStore.counters` of each, e.g. reads, read_bytes, writes,
+    write_bytes, corrupt, missing, io_errors, write_failures, evicted)."""
+
+    serving: str  # ServingTier value
+    since: float  # unix seconds of the last switch
+    reason: str
+    read_only: bool  # the SSD store refuses writes (wear limit, EROFS)
+    ssd_bytes: int
+    ssd_capacity_bytes: int
+    shadow_bytes: int
+    shadow_capacity_bytes: int
+    counters: dict[str, dict[str, int]]
+    index_discarded: dict[str, str | None]  # why a device's index was set aside at open
+    failovers: int
+    failbacks: int
 
 
 class FailoverColdStore:
@@ -300,6 +319,20 @@ class FailoverColdStore:
                 "good_probes": self.good_probes, "failback_after": self.failback_good_probes,
                 "failovers": self.failovers, "failbacks": self.failbacks,
                 "restored_blocks": self.restored_blocks}
+
+    def view(self) -> ColdView:
+        """Read-only figures for health checks and metrics (no index scans)."""
+        with self._lock:
+            serving, since, reason = self.state.value, self.since, self.reason
+        p, s = self.primary, self.shadow
+        return ColdView(serving=serving, since=since, reason=reason,
+                        read_only=bool(p.read_only),
+                        ssd_bytes=p.bytes_used, ssd_capacity_bytes=p.capacity_bytes,
+                        shadow_bytes=s.bytes_used, shadow_capacity_bytes=self.shadow_capacity_bytes,
+                        counters={"ssd": dict(p.counters), "shadow": dict(s.counters)},
+                        index_discarded={"ssd": p.index.discarded_at_open,
+                                         "shadow": s.index.discarded_at_open},
+                        failovers=self.failovers, failbacks=self.failbacks)
 
     def close(self) -> None:
         self.shadow.close()

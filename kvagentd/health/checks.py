@@ -1,0 +1,261 @@
+"""The health checks: pure functions of `Facts`, thresholds from `[health]` (`HealthConfig`).
+
+Each check, and what makes it degraded (D) or failing (F):
+- daemon: D starting, F stopping. main-loop: F no progress for 3 loop intervals + 5 s.
+  scheduler: F stopped.
+- service:NAME: F not started, or its own `health()` failing or raising; D a job of it failed
+  (until acknowledged).
+- ticks:ASSET: F no tick done for `tick_late_intervals` intervals; D paused by an operator.
+- skip-rate:ASSET: the share of due ticks skipped or missed in the last `window_s`:
+  D at `skip_rate_degraded`, F at `skip_rate_failing` (ok below `min_due_ticks` due ticks).
+- tick-p99:ASSET: p99 from due to done over the window, in tick intervals: D above
+  `tick_p99_degraded`, F above `tick_p99_failing`.
+- sensor:ASSET: F no usable data for the stale limit (`sensor_stale_s`, 0: the agent's own,
+  two tick intervals plus a window), so the zone shown is old; D MQTT disconnected while the
+  data is still fresh.
+- cold-tier: D on the shadow or restoring. read-only: D the SSD takes no new records.
+  shadow-fill: D at `shadow_fill_degraded`, F at `shadow_fill_failing`.
+- checksum-failures, lost-blocks, cold-index: D when any since start or the last
+  `kvctl health ack`.
+- ssd-wear: D at `wear_degraded_percent`, worn, or a stale SMART status file; F SMART says the
+  device failed; unknown (no status file): `wear_unknown`.
+- memory: D below `memory_available_degraded` of RAM. disk:PATH: D below
+  `maintenance.free_space_floor_bytes`, F unreadable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from kvagentd.config import Config, HealthConfig
+from kvagentd.health.acks import Acknowledgements
+from kvagentd.health.facts import Facts, ServiceFacts, TickFacts, WearFacts
+from kvagentd.health.report import Check, Level, Report, age, pct, size
+
+if TYPE_CHECKING:
+    from kvagentd.agent.view import AssetView
+
+OK, DEGRADED, FAILING = Level.OK, Level.DEGRADED, Level.FAILING
+_LEVELS = {"ok": OK, "degraded": DEGRADED, "failing": FAILING}
+
+
+def assess(cfg: Config, facts: Facts, acks: Acknowledgements) -> Report:
+    """Every check, in a fixed order: daemon, services, per asset, cold tier, host."""
+    checks = [*_daemon(facts), *(_service(s, acks) for s in facts.services)]
+    h = cfg.health
+    for t in facts.ticks:
+        checks += [ticks(t, h), skip_rate(t, h), tick_p99(t, h)]
+    checks += [sensor(a, h) for a in facts.assets]
+    checks += list(_cold(facts, h, acks))
+    if facts.wear is not None:
+        checks.append(ssd_wear(facts.wear, h, cfg.maintenance.wear_readonly_percent))
+    checks += list(_host(facts, h, acks))
+    return Report(tuple(checks), acks.at)
+
+
+# -- the daemon and its services -----------------------------------------------------------
+
+def _daemon(f: Facts) -> Iterator[Check]:
+    d = f.daemon
+    if d.phase == "running":
+        yield Check("daemon", OK, f"running for {age(d.uptime_s)}")
+    else:
+        yield Check("daemon", DEGRADED if d.phase == "starting" else FAILING, d.phase)
+    if d.main_loop_age_s is not None:
+        late = d.main_loop_age_s > d.main_loop_limit_s
+        yield Check("main-loop", FAILING if late else OK,
+                    f"last iteration {age(d.main_loop_age_s)} ago"
+                    + (f" (limit {age(d.main_loop_limit_s)})" if late else ""))
+    if d.scheduler_running:
+        yield Check("scheduler", OK, f"{d.scheduler_jobs} jobs")
+    else:
+        yield Check("scheduler", FAILING, "not running: no tick, report or maintenance runs")
+
+
+def _service(s: ServiceFacts, acks: Acknowledgements) -> Check:
+    name = f"service:{s.name}"
+    if not s.started:
+        return Check(name, FAILING, "not started")
+    if s.probe_error is not None:
+        return Check(name, FAILING, f"health probe raised {s.probe_error}")
+    own = s.health or {"status": "ok", "detail": "running"}
+    level = _LEVELS.get(str(own.get("status")), FAILING)
+    reason = str(own.get("detail") or "running")
+    failed = [(j, acks.since(f"job:{j.job_id}", j.errors)) for j in s.failed_jobs]
+    failed = [(j, n) for j, n in failed if n]
+    if failed and level is OK:
+        j, n = max(failed, key=lambda p: -(p[0].last_error_age_s or 0.0))
+        more = f" (and {len(failed) - 1} more jobs)" if len(failed) > 1 else ""
+        return Check(name, DEGRADED, f"job {j.job_id} failed {n}x, last {age(j.last_error_age_s)} "
+                                     f"ago: {j.last_error}{more}", ackable=True)
+    return Check(name, level, reason, ackable=bool(s.failed_jobs))
+
+
+# -- the agent: per asset --------------------------------------------------------------------
+
+def ticks(t: TickFacts, h: HealthConfig) -> Check:
+    name, every = f"ticks:{t.asset}", f"every {age(t.interval_s)}"
+    if t.paused:
+        return Check(name, DEGRADED, f"paused by an operator (kvctl jobs resume "
+                                     f"agent.tick.{t.asset})")
+    limit = h.tick_late_intervals * t.interval_s
+    since = t.last_done_age_s if t.last_done_age_s is not None else t.waiting_s
+    if since > limit:
+        what = f"no tick done for {age(since)}" if t.last_done_age_s is not None \
+            else f"no tick done in {age(since)} since start"
+        return Check(name, FAILING, f"{what} ({every}; failing after "
+                                    f"{h.tick_late_intervals:g} intervals)")
+    if t.last_done_age_s is None:
+        return Check(name, OK, f"first tick due ({every})")
+    return Check(name, OK, f"last tick {age(t.last_done_age_s)} ago ({every})")
+
+
+def skip_rate(t: TickFacts, h: HealthConfig) -> Check:
+    name, w = f"skip-rate:{t.asset}", t.window
+    dropped = w.skipped + w.missed
+    base = f"{dropped} of {w.due} due ticks skipped in the last {age(h.window_s)}"
+    if w.due < h.min_due_ticks:
+        return Check(name, OK, f"{base} (too few to judge)")
+    rate = dropped / w.due
+    limits = f"degraded at {pct(h.skip_rate_degraded)}, failing at {pct(h.skip_rate_failing)}"
+    if rate >= h.skip_rate_failing:
+        return Check(name, FAILING, f"{base} ({pct(rate)}; {limits})")
+    if rate >= h.skip_rate_degraded and dropped:
+        return Check(name, DEGRADED, f"{base} ({pct(rate)}; {limits})")
+    return Check(name, OK, base)
+
+
+def tick_p99(t: TickFacts, h: HealthConfig) -> Check:
+    name, d = f"tick-p99:{t.asset}", sorted(t.window.durations)
+    if not d:
+        return Check(name, OK, f"no tick done in the last {age(h.window_s)}")
+    p99 = d[min(len(d) - 1, max(0, math.ceil(0.99 * len(d)) - 1))]
+    ratio = p99 / t.interval_s
+    base = f"p99 {age(p99)} from due to done, {ratio:.2f}x the {age(t.interval_s)} interval"
+    if ratio > h.tick_p99_failing:
+        return Check(name, FAILING, f"{base} (failing above {h.tick_p99_failing:g}x)")
+    if ratio > h.tick_p99_degraded:
+        return Check(name, DEGRADED, f"{base} (degraded above {h.tick_p99_degraded:g}x)")
+    return Check(name, OK, f"{base} ({len(d)} ticks)")
+
+
+def sensor(a: AssetView, h: HealthConfig) -> Check:
+    name = f"sensor:{a.name}"
+    limit = h.sensor_stale_s or a.stale_after_s
+    down = a.connected is False
+    link = f"{a.link} disconnected" if down else a.link
+    if a.data_age_s is None:
+        if a.running_s > limit:
+            return Check(name, FAILING, f"{link}: no usable data in {age(a.running_s)} since "
+                                        f"start{_bad(a.bad_samples)}")
+        return Check(name, DEGRADED if down else OK, f"{link}: waiting for the first window")
+    if a.data_age_s > limit:
+        shown = f"; status still shows zone {a.last_zone} from then" if a.last_zone else ""
+        return Check(name, FAILING, f"{link}: no fresh data for {age(a.data_age_s)} (stale "
+                                    f"after {age(limit)}){shown}{_bad(a.bad_samples)}")
+    if down:
+        return Check(name, DEGRADED, f"{link}; data still {age(a.data_age_s)} old")
+    return Check(name, OK, f"{link}, data {age(a.data_age_s)} old")
+
+
+def _bad(bad: dict[str, int]) -> str:
+    if not bad:
+        return ""
+    return "; bad windows: " + ", ".join(f"{k} {v}" for k, v in sorted(bad.items()))
+
+
+# -- the cold tier ---------------------------------------------------------------------------
+
+def _cold(f: Facts, h: HealthConfig, acks: Acknowledgements) -> Iterator[Check]:
+    c = f.cold
+    if c is not None:
+        if c.serving == "ssd":
+            yield Check("cold-tier", OK, "serving from the SSD")
+        else:
+            what = "restoring to the SSD" if c.serving == "restoring" else "serving from the shadow"
+            yield Check("cold-tier", DEGRADED, f"{what} ({c.reason})")
+        yield Check("read-only", DEGRADED if c.read_only else OK,
+                    "the SSD takes no new cold records (wear limit or a read-only file system); "
+                    "blocks that do not fit warm are dropped and recomputed" if c.read_only
+                    else "the SSD takes new cold records")
+        yield shadow_fill(c.shadow_bytes, c.shadow_capacity_bytes, h)
+        counters = f.counters()
+        n = acks.since("checksum-failures", counters["checksum-failures"])
+        yield _counted("checksum-failures", n, acks,
+                       "cold records failed their checksum; their blocks were recomputed")
+        why = [f"{dev}: {w}" for dev, w in c.index_discarded.items() if w]
+        if acks.since("cold-index", counters["cold-index"]):
+            yield Check("cold-index", DEGRADED, "set aside at start, its records were "
+                        "discarded: " + "; ".join(why), ackable=True)
+        else:
+            yield Check("cold-index", OK, "acknowledged: " + "; ".join(why) if why
+                        else "opened cleanly", ackable=bool(why))
+    if f.lost_blocks is not None:
+        n = acks.since("lost-blocks", f.lost_blocks)
+        yield _counted("lost-blocks", n, acks,
+                       "blocks could not be read back; their tokens are recomputed on next use")
+
+
+def _counted(name: str, n: int, acks: Acknowledgements, what: str) -> Check:
+    since = "since the acknowledgement" if acks.at is not None else "since start"
+    if n:
+        return Check(name, DEGRADED, f"{n} {since}: {what} (kvctl health ack {name})",
+                     ackable=True)
+    return Check(name, OK, f"none {since}", ackable=True)
+
+
+def shadow_fill(used: int, capacity: int, h: HealthConfig) -> Check:
+    if capacity <= 0:
+        return Check("shadow-fill", OK, f"{size(used)} (no capacity set)")
+    fill = used / capacity
+    base = f"{pct(fill)} of {size(capacity)}"
+    if fill >= h.shadow_fill_failing:
+        return Check("shadow-fill", FAILING, f"{base}: new cold writes will be refused "
+                                             f"(failing at {pct(h.shadow_fill_failing)})")
+    if fill >= h.shadow_fill_degraded:
+        return Check("shadow-fill", DEGRADED, f"{base} (degraded at {pct(h.shadow_fill_degraded)})")
+    return Check("shadow-fill", OK, base)
+
+
+def ssd_wear(w: WearFacts, h: HealthConfig, readonly_percent: float) -> Check:
+    limits = f"degraded at {h.wear_degraded_percent:g} %, read-only at {readonly_percent:g} %"
+    if w.state == "failed":
+        return Check("ssd-wear", FAILING, "SMART says the SSD is failing; cold tier on the shadow")
+    if w.state in ("unknown", "not checked"):
+        why = w.error or "no SMART data yet"
+        return Check("ssd-wear", _LEVELS[h.wear_unknown],
+                     f"unknown: {why} (kvagentd-health.timer writes it)")
+    if w.file_age_s is not None and w.file_age_s > w.stale_after_s:
+        return Check("ssd-wear", DEGRADED, f"the SMART status file is {age(w.file_age_s)} old "
+                                           "(is kvagentd-health.timer running?)")
+    used = "?" if w.percent is None else f"{w.percent:g} %"
+    if w.state == "worn" or (w.percent is not None and w.percent >= h.wear_degraded_percent):
+        return Check("ssd-wear", DEGRADED, f"{used} used ({limits})")
+    return Check("ssd-wear", OK, f"{used} used ({limits})")
+
+
+# -- the host --------------------------------------------------------------------------------
+
+def _host(f: Facts, h: HealthConfig, acks: Acknowledgements) -> Iterator[Check]:
+    low = f.memory_available < f.memory_total * h.memory_available_degraded
+    yield Check("memory", DEGRADED if low else OK,
+                f"{size(f.memory_available)} available of {size(f.memory_total)}"
+                + (f" (degraded below {pct(h.memory_available_degraded)})" if low else ""))
+    for d in f.disks:
+        name = f"disk:{d.path}"
+        if d.free_bytes is None:
+            yield Check(name, FAILING, d.error or "unreadable")
+        elif d.free_bytes < f.free_space_floor:
+            yield Check(name, DEGRADED, f"{size(d.free_bytes)} free, below the floor of "
+                                        f"{size(f.free_space_floor)}")
+        else:
+            yield Check(name, OK, f"{size(d.free_bytes)} free")
+    failed = [(j, acks.since(f"job:{j.job_id}", j.errors)) for j in f.other_failed_jobs]
+    failed = [(j, n) for j, n in failed if n]
+    if failed:
+        j, n = failed[0]
+        yield Check("jobs", DEGRADED, f"job {j.job_id} failed {n}x, last "
+                                      f"{age(j.last_error_age_s)} ago: {j.last_error}",
+                    ackable=True)

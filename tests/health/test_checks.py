@@ -1,0 +1,200 @@
+"""The health checks as pure functions of facts: each threshold, each reason, acknowledgements."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvagentd.agent.view import AssetView
+from kvagentd.config import HealthConfig, load_config
+from kvagentd.health import Acknowledgements, DaemonFacts, Facts, Level, assess
+from kvagentd.health import checks
+from kvagentd.health.facts import JobFailure, ServiceFacts, TickFacts, WearFacts
+from kvagentd.jobwatch import JobWindow
+from kvagentd.kvcache.cold import ColdView
+
+H = HealthConfig()
+OK, DEGRADED, FAILING = Level.OK, Level.DEGRADED, Level.FAILING
+
+
+def _tick(*, last: float | None = 1.0, waiting: float = 100.0, paused: bool = False,
+          runs: int = 30, skipped: int = 0, missed: int = 0, durations: list[float] | None = None,
+          interval: float = 3.0) -> TickFacts:
+    return TickFacts("pump-1", interval, last, waiting, paused,
+                     JobWindow(runs, 0, skipped, missed,
+                               [1.0] * runs if durations is None else durations))
+
+
+def test_ticks_late_paused_and_first() -> None:
+    assert checks.ticks(_tick(last=2.0), H).level is OK
+    late = checks.ticks(_tick(last=27.0), H)
+    assert late.level is FAILING and "no tick done for 27 s" in late.reason
+    assert "failing after 3 intervals" in late.reason
+    assert checks.ticks(_tick(last=None, waiting=2.0), H).level is OK
+    never = checks.ticks(_tick(last=None, waiting=60.0), H)
+    assert never.level is FAILING and "since start" in never.reason
+    paused = checks.ticks(_tick(paused=True), H)
+    assert paused.level is DEGRADED and "kvctl jobs resume agent.tick.pump-1" in paused.reason
+
+
+def test_skip_rate_thresholds_and_too_few_to_judge() -> None:
+    # The field report: 73 of 83 ticks skipped was "ok".
+    bad = checks.skip_rate(_tick(runs=10, skipped=73), H)
+    assert bad.level is FAILING and "73 of 83 due ticks skipped" in bad.reason and "88 %" in bad.reason
+    assert checks.skip_rate(_tick(runs=90, skipped=10), H).level is DEGRADED
+    assert checks.skip_rate(_tick(runs=200, skipped=2, missed=1), H).level is OK
+    few = checks.skip_rate(_tick(runs=1, skipped=2), H)
+    assert few.level is OK and "too few to judge" in few.reason
+    strict = dataclasses.replace(H, skip_rate_degraded=0.0, min_due_ticks=1)
+    assert checks.skip_rate(_tick(runs=200, skipped=1), strict).level is DEGRADED
+
+
+def test_tick_p99_against_the_interval() -> None:
+    slow = checks.tick_p99(_tick(durations=[26.0] * 10), H)  # p50 26 s at a 3 s interval
+    assert slow.level is FAILING and "8.67x the 3.0 s interval" in slow.reason
+    assert checks.tick_p99(_tick(durations=[1.0] * 97 + [4.0] * 3), H).level is DEGRADED
+    assert checks.tick_p99(_tick(durations=[1.0] * 200 + [50.0]), H).level is OK  # one outlier
+    assert checks.tick_p99(_tick(runs=0, durations=[]), H).level is OK
+
+
+def _view(**kw: object) -> AssetView:
+    base = dict(name="pump-1", source="mqtt", link="mqtt 127.0.0.1:1883 plant/pump-1",
+                connected=True, data_age_s=1.0, running_s=300.0, stale_after_s=8.0,
+                last_zone="C", last_rms_mm_s=3.1, last_anomaly=True, bad_samples={})
+    base.update(kw)
+    return AssetView(**base)  # type: ignore[arg-type]
+
+
+def test_sensor_fresh_disconnected_and_stale() -> None:
+    assert checks.sensor(_view(), H).level is OK
+    down = checks.sensor(_view(connected=False, data_age_s=2.0), H)
+    assert down.level is DEGRADED and "disconnected" in down.reason
+    # The field report: an MQTT outage with zone C from 60 s old data was "ok".
+    stale = checks.sensor(_view(connected=False, data_age_s=60.0,
+                                bad_samples={"stale": 18}), H)
+    assert stale.level is FAILING
+    assert "no fresh data for 60 s (stale after 8.0 s)" in stale.reason
+    assert "zone C" in stale.reason and "stale 18" in stale.reason
+    never = checks.sensor(_view(data_age_s=None, running_s=30.0, last_zone=None), H)
+    assert never.level is FAILING and "no usable data" in never.reason
+    assert checks.sensor(_view(data_age_s=None, running_s=1.0), H).level is OK
+    own = dataclasses.replace(H, sensor_stale_s=120.0)
+    assert checks.sensor(_view(data_age_s=60.0), own).level is OK
+
+
+def test_shadow_fill_and_wear() -> None:
+    assert checks.shadow_fill(10, 100, H).level is OK
+    assert checks.shadow_fill(85, 100, H).level is DEGRADED
+    assert checks.shadow_fill(96, 100, H).level is FAILING
+    w = WearFacts("ok", 12.0, None, 60.0, 3600.0)
+    assert checks.ssd_wear(w, H, 80.0).level is OK and "12 % used" in checks.ssd_wear(w, H, 80.0).reason
+    assert checks.ssd_wear(w._replace(percent=75.0), H, 80.0).level is DEGRADED
+    assert checks.ssd_wear(w._replace(state="worn", percent=85.0), H, 80.0).level is DEGRADED
+    assert checks.ssd_wear(w._replace(state="failed"), H, 80.0).level is FAILING
+    stale = checks.ssd_wear(w._replace(file_age_s=9000.0), H, 80.0)
+    assert stale.level is DEGRADED and "kvagentd-health.timer" in stale.reason
+    unknown = w._replace(state="unknown", error="no status file /x", percent=None)
+    assert checks.ssd_wear(unknown, H, 80.0).level is OK
+    assert "unknown: no status file /x" in checks.ssd_wear(unknown, H, 80.0).reason
+    strict = dataclasses.replace(H, wear_unknown="degraded")
+    assert checks.ssd_wear(unknown, strict, 80.0).level is DEGRADED
+
+
+def _cold(**kw: object) -> ColdView:
+    base = dict(serving="ssd", since=0.0, reason="start", read_only=False, ssd_bytes=0,
+                ssd_capacity_bytes=1 << 30, shadow_bytes=0, shadow_capacity_bytes=1 << 20,
+                counters={"ssd": {"corrupt": 0}, "shadow": {"corrupt": 0}},
+                index_discarded={"ssd": None, "shadow": None}, failovers=0, failbacks=0)
+    base.update(kw)
+    return ColdView(**base)  # type: ignore[arg-type]
+
+
+def _facts(**kw: object) -> Facts:
+    d = DaemonFacts("running", 100.0, 0.1, 5.3, True, 3)
+    base: dict[str, object] = dict(daemon=d, memory_available=8 << 30, memory_total=16 << 30)
+    base.update(kw)
+    return Facts(**base)  # type: ignore[arg-type]
+
+
+def _by_name(report: object) -> dict[str, object]:
+    return {c.name: c for c in report.checks}  # type: ignore[attr-defined]
+
+
+def test_cold_checks_and_acknowledgement() -> None:
+    cfg = load_config(None, env={})
+    acks = Acknowledgements()
+    f = _facts(cold=_cold(counters={"ssd": {"corrupt": 3}, "shadow": {"corrupt": 1}},
+                          index_discarded={"ssd": "file is not a database; set aside as "
+                                                  "index.sqlite3.corrupt-1", "shadow": None}),
+               lost_blocks=11)
+    r = assess(cfg, f, acks)
+    c = _by_name(r)
+    assert r.level is DEGRADED
+    assert c["checksum-failures"].level is DEGRADED and c["checksum-failures"].reason.startswith(
+        "4 since start")
+    assert c["lost-blocks"].level is DEGRADED and "11 since start" in c["lost-blocks"].reason
+    assert c["cold-index"].level is DEGRADED and "not a database" in c["cold-index"].reason
+    assert c["cold-tier"].level is OK and c["read-only"].level is OK
+    seen = acks.ack(f.counters(), 1000.0, ["lost-blocks"])
+    assert seen == {"lost-blocks": 11}
+    c = _by_name(assess(cfg, f, acks))
+    assert c["lost-blocks"].level is OK and "since the acknowledgement" in c["lost-blocks"].reason
+    assert c["checksum-failures"].level is DEGRADED  # not acknowledged
+    acks.ack(f.counters(), 1001.0)
+    assert assess(cfg, f, acks).level is OK
+    worse = _facts(cold=f.cold, lost_blocks=12)
+    c = _by_name(assess(cfg, worse, acks))
+    assert c["lost-blocks"].level is DEGRADED and c["lost-blocks"].reason.startswith("1 since")
+
+
+def test_shadow_and_read_only_are_degraded() -> None:
+    cfg = load_config(None, env={})
+    c = _by_name(assess(cfg, _facts(cold=_cold(serving="shadow", reason="3 new cold I/O errors",
+                                               read_only=True)), Acknowledgements()))
+    assert c["cold-tier"].level is DEGRADED and "3 new cold I/O errors" in c["cold-tier"].reason
+    assert c["read-only"].level is DEGRADED
+
+
+def test_services_not_started_failing_or_with_failed_jobs() -> None:
+    cfg = load_config(None, env={})
+    acks = Acknowledgements()
+    failed = JobFailure("agent.weekly.pump-1", 2, "AttributeError: 'Config' object has no "
+                                                   "attribute 'assets'", 30.0)
+    f = _facts(services=(
+        ServiceFacts("store", True, None, None, ()),
+        ServiceFacts("engine", False, None, None, ()),
+        ServiceFacts("maintenance", True, None, "RuntimeError: boom", ()),
+        ServiceFacts("agent", True, {"status": "ok", "detail": "assets: pump-1"}, None, (failed,))))
+    c = _by_name(assess(cfg, f, acks))
+    assert c["service:store"].level is OK
+    assert c["service:engine"].level is FAILING and c["service:engine"].reason == "not started"
+    assert c["service:maintenance"].level is FAILING and "boom" in c["service:maintenance"].reason
+    agent = c["service:agent"]
+    assert agent.level is DEGRADED and "agent.weekly.pump-1 failed 2x" in agent.reason
+    assert "AttributeError" in agent.reason
+    acks.ack(f.counters(), 5.0, ["service:agent"])
+    assert _by_name(assess(cfg, f, acks))["service:agent"].level is OK
+    stopped = _facts(services=(ServiceFacts("agent", True, {"status": "failing",
+                                                            "detail": "the agent is not running"},
+                                            None, ()),))
+    assert _by_name(assess(cfg, stopped, acks))["service:agent"].level is FAILING
+
+
+@pytest.mark.parametrize("phase,level", [("running", OK), ("starting", DEGRADED),
+                                         ("stopping", FAILING)])
+def test_daemon_phase(phase: str, level: Level) -> None:
+    cfg = load_config(None, env={})
+    f = _facts(daemon=DaemonFacts(phase, 1.0, None, 5.0, True, 0))
+    assert _by_name(assess(cfg, f, Acknowledgements()))["daemon"].level is level
+
+
+def test_report_summary_names_the_worst_first() -> None:
+    cfg = load_config(None, env={})
+    f = _facts(cold=_cold(serving="shadow", reason="ENOSPC"),
+               ticks=(_tick(last=40.0),), lost_blocks=0)
+    r = assess(cfg, f, Acknowledgements())
+    assert r.level is FAILING
+    assert r.summary().startswith("failing: ticks:pump-1: no tick done for 40 s")
+    assert "cold-tier" in r.summary()
+    assert r.as_dict()["status"] == "failing"

@@ -1,0 +1,92 @@
+"""Cold-tier faults reach the health checks through the real store: a record that fails its
+checksum and the block lost with it, an index set aside at start; `ack` clears what was seen."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from kvagentd.config import Config, load_config
+from kvagentd.health import Acknowledgements, DaemonFacts, assess, gather
+from kvagentd.jobwatch import JobWatch
+from kvagentd.kvcache.base import KVGeometry, Tier
+from kvagentd.kvcache.cold.record import ALIGN
+from kvagentd.kvcache.keys import make_namespace
+from kvagentd.services import Services, Tiers, build_tiers
+from tests.kvcache.conftest import compute_blocks
+
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=8, block_tokens=4,
+                      dtype=torch.float32)
+NAMESPACE = make_namespace("test-model@1", torch.float32, 4)
+
+
+def _config(d: Path) -> Config:
+    base = load_config(None, env={})
+    return dataclasses.replace(
+        base, daemon=dataclasses.replace(base.daemon, state_dir=d / "state"),
+        kv=dataclasses.replace(base.kv, cold_dir=d / "cold", hot_bytes=1 << 20,
+                               cold_capacity_bytes=8 << 20, segment_bytes=1 << 20,
+                               io_unit_bytes=8192, o_direct=False),
+        maintenance=dataclasses.replace(base.maintenance, shadow_dir=d / "shm",
+                                        shadow_bytes=4 << 20))
+
+
+def _tiers(cfg: Config) -> Tiers:
+    return build_tiers(cfg, GEOMETRY, NAMESPACE)
+
+
+def _checks(cfg: Config, t: Tiers, acks: Acknowledgements) -> dict[str, object]:
+    facts = gather(cfg, Services(store=t.store, cold=t.cold), started={"store"},
+                   daemon=DaemonFacts("running", 1.0, 0.0, 5.0, True, 0), jobs=JobWatch(),
+                   scheduler=None, now=0.0)
+    return {c.name: c for c in assess(cfg, facts, acks).checks}
+
+
+def test_checksum_failure_lost_block_and_discarded_index(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    t = _tiers(cfg)
+    tokens = list(range(12))
+    keys = compute_blocks(t.store, "s", tokens, 0, 3)
+    assert keys is not None
+    t.store.release("s")
+    assert t.store.demote(keys, Tier.COLD) == 3
+    c = _checks(cfg, t, Acknowledgements())
+    for name in ("cold-tier", "read-only", "shadow-fill", "checksum-failures", "lost-blocks",
+                 "cold-index"):
+        assert c[name].level.value == "ok", c[name]  # type: ignore[attr-defined]
+    t.store.close()
+
+    seg = sorted((tmp_path / "cold").glob("seg-*.kvs"))[0]
+    rec = os.path.getsize(seg) // 3
+    with open(seg, "r+b") as f:  # flip one payload byte of the first record
+        f.seek(ALIGN + 100)
+        b = f.read(1)
+        f.seek(ALIGN + 100)
+        f.write(bytes([b[0] ^ 0x01]))
+    assert rec > ALIGN
+    t = _tiers(cfg)
+    res = t.store.ensure_resident(keys, "s")
+    assert res.missing_from == 0  # never served: recomputed instead
+    t.store.release("s")
+    acks = Acknowledgements()
+    c = _checks(cfg, t, acks)
+    cf, lost = c["checksum-failures"], c["lost-blocks"]
+    assert cf.level.value == "degraded" and cf.reason.startswith("1 since start")  # type: ignore[attr-defined]
+    assert lost.level.value == "degraded" and lost.reason.startswith("1 since start")  # type: ignore[attr-defined]
+    facts_counters = {"checksum-failures": 1, "lost-blocks": 1, "cold-index": 0}
+    acks.ack(facts_counters, 10.0)
+    c = _checks(cfg, t, acks)
+    assert c["checksum-failures"].level.value == "ok"  # type: ignore[attr-defined]
+    assert c["lost-blocks"].level.value == "ok"  # type: ignore[attr-defined]
+    t.store.close()
+
+    (tmp_path / "cold" / "index.sqlite3").write_bytes(b"this is not a database" * 100)
+    t = _tiers(cfg)
+    c = _checks(cfg, t, Acknowledgements())
+    idx = c["cold-index"]
+    assert idx.level.value == "degraded" and "set aside" in idx.reason  # type: ignore[attr-defined]
+    assert "ssd:" in idx.reason  # type: ignore[attr-defined]
+    t.store.close()

@@ -1,0 +1,175 @@
+"""Health of a running daemon (in process, no model, a simulated asset): overrunning ticks
+are failing, readyz and the STATUS line follow, kvctl health exits 1; a failing job puts its
+service in error until `kvctl health ack`."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvagentd.agent import jobs
+from kvagentd.config import Config, load_config
+from kvagentd.daemon import Daemon
+from kvagentd.jobwatch import JobWatch
+from kvagentd.services import BuildContext, Services, build_services
+from kvagentd.systemd import Notifier
+from kvctl.main import main as kvctl
+from tests.control.conftest import make_config
+
+
+def _config(d: Path, tick: float) -> Config:
+    cfg = make_config(d, read_timeout_s=10.0)
+    base = load_config(None, env={})
+    return dataclasses.replace(
+        cfg, daemon=dataclasses.replace(cfg.daemon, state_dir=d / "state", cache_dir=d / "cache",
+                                        main_loop_interval_s=0.1),
+        agent=dataclasses.replace(base.agent, tick_interval_s=tick),
+        health=dataclasses.replace(base.health, window_s=60.0, min_due_ticks=4))
+
+
+class Notes(Notifier):
+    def __init__(self) -> None:
+        super().__init__(env={})
+        self.lines: list[str] = []
+
+    def status(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def _start(d: Path, tick: float, slow_s: float = 0.0) -> Daemon:
+    def build(cfg: Config, ctx: BuildContext) -> Services:
+        services = build_services(cfg, ctx)
+        if slow_s:
+            assert services.agent is not None
+            src = services.agent.assets["pump-1"].source
+            read = src.read_window
+
+            def slow(now: float) -> Any:
+                time.sleep(slow_s)  # a tick that overruns its interval, as a busy CPU makes it
+                return read(now)
+
+            src.read_window = slow  # type: ignore[method-assign]
+        return services
+
+    daemon = Daemon(_config(d, tick), None, notifier=Notes(), build=build)
+    daemon.startup()
+    threading.Thread(target=daemon.main_loop, daemon=True).start()
+    return daemon
+
+
+@pytest.fixture
+def started(short_dir: Path) -> Iterator[list[Daemon]]:
+    daemons: list[Daemon] = []
+    yield daemons
+    for d in daemons:
+        d.request_shutdown("test")
+        d.shutdown()
+
+
+def _checks(d: Daemon) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in d.health()["checks"]}
+
+
+def _until(pred: Any, timeout: float = 30.0) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if v := pred():
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout} s")
+
+
+def test_overrunning_ticks_are_failing(short_dir: Path, started: list[Daemon],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    d = _start(short_dir, tick=0.3, slow_s=1.2)
+    started.append(d)
+    _until(lambda: _checks(d)["skip-rate:pump-1"]["status"] == "failing")
+    c = _checks(d)
+    assert "due ticks skipped" in c["skip-rate:pump-1"]["reason"]
+    _until(lambda: _checks(d)["tick-p99:pump-1"]["status"] == "failing")
+    assert d.health()["status"] == "failing"
+    sock = str(d.config.control.socket)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://k") as client:
+        r = client.get("/v1/readyz")
+        assert r.status_code == 503 and r.json()["error"]["kind"] == "unhealthy"
+        assert "skip-rate:pump-1" in r.json()["error"]["message"]
+        assert client.get("/v1/health").status_code == 503
+    capsys.readouterr()
+    assert kvctl(["--socket", sock, "health"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("health: failing") and "skip-rate:pump-1" in out
+    line = _until(lambda: next((x for x in reversed(d.notifier.lines)  # type: ignore[attr-defined]
+                                if "health failing" in x), None))
+    assert line.startswith("running; health failing: ")
+    rec = d.jobs.record(jobs.tick_job_id("pump-1"))
+    assert rec is not None and rec.skipped > rec.runs > 0
+
+
+def test_a_failing_job_is_a_service_in_error_until_acknowledged(
+        short_dir: Path, started: list[Daemon], capsys: pytest.CaptureFixture[str]) -> None:
+    d = _start(short_dir, tick=1.0)
+    started.append(d)
+    _until(lambda: _checks(d)["ticks:pump-1"]["reason"].startswith("last tick"))
+    assert d.health()["status"] == "ok", d.health()
+    sock = str(d.config.control.socket)
+    capsys.readouterr()
+    assert kvctl(["--socket", sock, "health"]) == 0
+    assert d.agent is not None
+
+    def broken(asset: str) -> str:
+        raise AttributeError("'Config' object has no attribute 'assets'")
+
+    d.agent.reports.run_weekly = broken  # type: ignore[method-assign]
+    d.scheduler.modify_job(jobs.weekly_job_id("pump-1"), func=broken)
+    jobs.run_job(d.scheduler, jobs.weekly_job_id("pump-1"))
+    agent = _until(lambda: (c := _checks(d)["service:agent"])["status"] == "degraded" and c)
+    assert "agent.weekly.pump-1 failed 1x" in agent["reason"] and "AttributeError" in agent["reason"]
+    capsys.readouterr()
+    assert kvctl(["--socket", sock, "health"]) == 1
+    assert kvctl(["--socket", sock, "health", "ack", "no-such-check"]) == 64
+    capsys.readouterr()
+    assert kvctl(["--socket", sock, "health", "ack", "service:agent"]) == 0
+    out = capsys.readouterr().out
+    assert "job:agent.weekly.pump-1 (1)" in out
+    assert _checks(d)["service:agent"]["status"] == "ok"
+    assert kvctl(["--socket", sock, "health"]) == 0
+
+    d.agent.stop()  # the service stops: failing, ticks stop
+    assert _checks(d)["service:agent"]["status"] == "failing"
+
+
+def test_jobwatch_counts_skips_errors_and_durations() -> None:
+    from apscheduler.events import (EVENT_JOB_ERROR, EVENT_JOB_EXECUTED,
+                                    EVENT_JOB_MAX_INSTANCES)
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    watch = JobWatch()
+    sched = BackgroundScheduler()
+    sched.add_listener(watch.on_event, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR
+                       | EVENT_JOB_MAX_INSTANCES)
+    sched.start()
+    try:
+        sched.add_job(lambda: time.sleep(0.35), "interval", seconds=0.1, id="slow",
+                      max_instances=1, coalesce=True)
+
+        def fail() -> None:
+            raise ValueError("bad")
+
+        sched.add_job(fail, "interval", seconds=0.2, id="fails")
+        _until(lambda: (r := watch.record("slow")) and r.runs >= 2 and r.skipped >= 2)
+        _until(lambda: (r := watch.record("fails")) and r.errors >= 1)
+    finally:
+        sched.shutdown(wait=True)
+    slow = watch.window("slow", 0.0)
+    assert slow.skipped >= 2 and slow.runs >= 2 and slow.due == slow.runs + slow.skipped
+    assert all(x >= 0.3 for x in slow.durations)  # due to done: the sleep at least
+    fails = watch.record("fails")
+    assert fails is not None and fails.last_error == "ValueError: bad"
+    assert watch.window("slow", time.time() + 10).due == 0
