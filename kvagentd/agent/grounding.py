@@ -5,7 +5,7 @@
 - says the machine is normal, healthy, fine or idle while a fault is diagnosed or the ISO zone
   is C or D;
 - raises an alarm (alert, alarm, danger, fault, defect, damage) while the diagnosis is `none`
-  in zone A or B;
+  in zone A or B, or calls a low-severity finding critical, an emergency or a reason to stop;
 - names a fault (or its defect line) other than the diagnosed one and the patterns also seen
   in the window (`secondary`);
 - states a number that is not in the evidence the model was given (`evidence`: the prompt
@@ -26,6 +26,8 @@ NORMAL_RE = re.compile(
     r"\b(normal|healthy|idle|inactiv\w*|fine|good condition|in good shape|all good|"
     r"no (?:fault|defect|problem|issue|anomal\w*|damage)s?|nothing (?:wrong|abnormal))\b",
     re.IGNORECASE)
+SEVERE_RE = re.compile(r"\b(critical\w*|emergency|danger\w*|immediate\w*|shut ?down|"
+                       r"stop the (?:machine|pump|motor))\b", re.IGNORECASE)
 ALARM_RE = re.compile(r"\b(alert|alarm|danger\w*|critical|fault\w*|defect\w*|damage\w*|"
                       r"emergency|failure|failing)\b", re.IGNORECASE)
 FAULT_RES = {
@@ -101,6 +103,11 @@ def check(text: str | None, diagnosis: Mapping[str, Any], evidence: str) -> Verd
         alarms = _claims(ALARM_RE, text)
         if alarms:
             reasons.append(f"raises an alarm ({alarms[0]!r}) while no fault is diagnosed")
+    elif str(diagnosis.get("severity", "low")) in ("none", "low"):
+        severe = _claims(SEVERE_RE, text)
+        if severe:
+            reasons.append(f"overstates the severity ({severe[0]!r}) of a "
+                           f"{diagnosis.get('severity', 'low')}-severity finding")
     allowed_faults = {fault, *diagnosis.get("secondary", ())}
     for name, pattern in FAULT_RES.items():
         if name in allowed_faults:

@@ -29,3 +29,25 @@ def test_industrial_config_without_broker_reports_missing_data(tmp_path, schedul
     ag = Agent(cfg.agent, None, scheduler, tmp_path)
     rows = [ag.tick_once(a.name) for a in cfg.agent.assets]
     assert all(r["kind"] == "bad_data" and r["note"].startswith("missing") for r in rows)
+
+
+def test_agent_fields_are_validated_with_their_path(tmp_path):
+    import pytest
+
+    from kvagentd.config import ConfigError
+
+    bad = {
+        "[agent]\nevents_raw_retention_s = 86400.0\nevents_retention_s = 7200.0\n":
+            "agent.events_retention_s",
+        "[[agent.assets]]\nsource = 'replay'\nreplay_path = 'x.mat'\n":
+            "agent.assets[0].replay_path",
+        "[[agent.assets]]\nreplay_unit = 'furlongs'\n": "agent.assets[0].replay_unit",
+        "[[agent.assets]]\nrpm_tolerance = 0.9\n": "agent.assets[0].rpm_tolerance",
+        "[[agent.assets]]\n[agent.assets.fault]\nkind = 'gremlins'\n": "agent.assets[0].fault.kind",
+    }
+    for text, field in bad.items():
+        p = tmp_path / "c.toml"
+        p.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_config(p, env={})
+        assert e.value.path == field

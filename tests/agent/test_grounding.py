@@ -27,6 +27,7 @@ EVIDENCE = diagnosis_text(OUTER)
     ("Imbalance: balance the rotor.", OUTER, "imbalance"),
     ("Outer-race defect, BPFO 51.8x the floor.", OUTER, "51.8"),
     ("pump-1 is in a state of emergency", NONE, "emergency"),
+    ("Outer race defect: stop the machine immediately.", OUTER, "overstates"),
     ("Alert: outer race defect.", NONE, "outer race"),
     ("", OUTER, "empty"),
 ])
