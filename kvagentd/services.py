@@ -129,6 +129,7 @@ def cold_tier_spec(config: Config) -> ColdTierSpec:
                         o_direct=kv.o_direct, ttl_s=kv.cold_ttl_s, io_threads=kv.io_threads,
                         shadow_bytes=int(m.shadow_bytes),
                         failback_good_probes=m.failback_good_probes,
+                        free_floor_bytes=int(m.free_space_floor_bytes),
                         faults=fault_plan(config.debug), fault_seed=config.debug.fault_seed)
 
 

@@ -10,8 +10,9 @@ garbled -> state "unknown", never a crash), the free space of the cold directory
 store's own I/O error counters, then:
 - wear >= `wear_readonly_percent` -> the cold tier becomes read-only (warning in status and log);
 - SMART says failed, or new cold I/O errors -> failover to the shadow directory;
-- free space below `free_space_floor_bytes` -> evict cold blocks, expired (TTL) first, then the
-  coldest by last access, until the floor is met.
+- free space below `free_space_floor_bytes` (or short of what a restore from the shadow needs
+  on top of it) -> evict cold blocks, expired (TTL) first, then the coldest by last access,
+  until the floor is met, and compact (on the SSD also while the shadow serves).
 """
 
 from __future__ import annotations
@@ -282,18 +283,21 @@ class HealthMonitor:
     `cold` is the cold tier (`set_read_only`, `compact`, `stats()` counters `io_errors` and
     `write_failures`); `store` the KV store (`snapshot()`, `evict()`); `on_failure(reason)` is
     called when the cold tier should fail over (a `FailoverColdStore.activate`), `on_probe()`
-    when the SSD looks healthy (its good-probe counter for failback).
+    when the SSD looks healthy (its good-probe counter for failback), `space_wanted()` says how
+    many bytes a restore deferred for space still needs freed on the SSD.
     """
 
     def __init__(self, cfg: Config, *, store: TieredKVStore | None = None,
                  cold: ColdTier | None = None,
                  on_failure: Callable[[str], object] | None = None,
                  on_probe: Callable[[], object] | None = None,
+                 space_wanted: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.time,
                  disk_usage: Callable[[Path], int] | None = None) -> None:
         self.cfg = cfg
         self.store, self.cold = store, cold
         self.on_failure, self.on_probe = on_failure, on_probe
+        self.space_wanted = space_wanted
         self.clock = clock
         self.disk_usage = disk_usage or _free_bytes
         self._io_errors_seen = 0
@@ -349,17 +353,22 @@ class HealthMonitor:
                 self.on_failure(reason)
         elif self.on_probe is not None and status.state is not HealthState.FAILED:
             self.on_probe()
-        # Free space floor -> evict.
+        # Free space floor, or room for a restore deferred for space -> evict and compact
+        # (on the SSD, also while the shadow serves).
         free = self._free()
         evicted = 0
-        if free is not None and free < m.free_space_floor_bytes:
-            evicted = self.evict_for(m.free_space_floor_bytes - free)
+        below = m.free_space_floor_bytes - free if free is not None else 0
+        wanted = int(self.space_wanted()) if self.space_wanted is not None else 0
+        if below > 0 or wanted > 0:
+            evicted = self.evict_for(max(below, wanted))
             reclaimed = 0
-            if evicted and self.cold is not None:
+            if self.cold is not None:
                 # Dropping index rows frees nothing on disk until the segments are rewritten.
                 reclaimed = int(self.cold.compact(0.25) or 0)
-            warnings.append(f"free space {free} B below floor {m.free_space_floor_bytes} B: "
-                            f"evicted {evicted} cold blocks, compaction reclaimed {reclaimed} B")
+            why = (f"free space {free} B below floor {m.free_space_floor_bytes} B" if below > 0
+                   else f"a restore from the shadow waits for {wanted} B more free space")
+            warnings.append(f"{why}: evicted {evicted} cold blocks, compaction reclaimed "
+                            f"{reclaimed} B")
         for w in warnings:
             log.warning("ssd_health", warning=w)
         self.last = HealthReport(status.state.value, self._read_only_by_wear, free,

@@ -24,6 +24,7 @@ import torch
 
 from kvagentd.config import Config
 from kvagentd.kvcache.base import ColdTier, Tier
+from kvagentd.kvcache.cold.causes import Cause
 from kvagentd.kvcache.cold.failover import FailoverColdStore
 from kvagentd.kvcache.pool import BlockPool
 from kvagentd.kvcache.store import TieredKVStore
@@ -61,7 +62,8 @@ class Maintenance:
         self.monitor = HealthMonitor(
             config, store=store, cold=cold,
             on_failure=self.failover.activate if self.failover else None,
-            on_probe=self.failover.probe if self.failover else None)
+            on_probe=self.failover.probe if self.failover else None,
+            space_wanted=self.failover.space_wanted if self.failover else None)
         self.scrubber = Scrubber(cold, int(config.maintenance.scrub_rate_bytes_per_s)) \
             if cold is not None else None
         self._defrag_lock = threading.Lock()
@@ -266,7 +268,7 @@ class Maintenance:
     def failover_activate(self, reason: str = "operator request") -> dict[str, Any]:
         if self.failover is None:
             return {"activated": False, "note": "no shadow configured"}
-        changed = self.failover.activate(reason)
+        changed = self.failover.activate(reason, Cause.OPERATOR)
         return {"activated": changed, **self.failover.status()}
 
     def failover_restore(self) -> dict[str, Any]:

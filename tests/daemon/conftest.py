@@ -108,7 +108,11 @@ class NotifyListener:
 
 
 class DaemonProcess:
-    def __init__(self, d: Path, config: Path, env: dict[str, str] | None = None) -> None:
+    """`kvagentd run --config CONFIG` in `d`; with `mounts` (shell lines, see tests/mounts.py)
+    in a private mount namespace set up by them first."""
+
+    def __init__(self, d: Path, config: Path, env: dict[str, str] | None = None,
+                 mounts: list[str] | None = None) -> None:
         self.dir, self.config = d, config
         self.notify = NotifyListener(d / "notify.sock")
         self.socket = d / "run" / "kvagentd.sock"
@@ -117,9 +121,15 @@ class DaemonProcess:
                     "PYTHONPATH": str(ROOT), **(env or {})}
         full_env = {k: v for k, v in full_env.items() if not k.startswith("KVAGENTD_")
                     or k in (env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvagentd", "run", "--config",
-                                      str(config)], cwd=d, env=full_env, stdout=self.log,
+        argv = [sys.executable, "-m", "kvagentd", "run", "--config", str(config)]
+        if mounts:
+            from tests.mounts import run_isolated
+
+            self.proc = run_isolated(argv, mounts, env=full_env, cwd=d, stdout=self.log,
                                      stderr=subprocess.STDOUT)
+        else:
+            self.proc = subprocess.Popen(argv, cwd=d, env=full_env, stdout=self.log,
+                                         stderr=subprocess.STDOUT)
 
     def client(self) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)),

@@ -3,10 +3,11 @@
 the builder. See `kvagentd.kvcache.base.ColdTier` for the contract."""
 
 from kvagentd.kvcache.cold.build import ColdTierSpec, build_cold_tier
+from kvagentd.kvcache.cold.causes import Cause
 from kvagentd.kvcache.cold.failover import (ColdView, FailoverColdStore, FailoverError,
-                                             ServingTier)
+                                            RestoreDeferred, ServingTier)
 from kvagentd.kvcache.cold.faults import FaultPlan, FaultyFileIO
 from kvagentd.kvcache.cold.store import ColdStore
 
-__all__ = ["ColdStore", "ColdView", "ColdTierSpec", "FailoverColdStore", "FailoverError", "FaultPlan",
-           "FaultyFileIO", "ServingTier", "build_cold_tier"]
+__all__ = ["Cause", "ColdStore", "ColdTierSpec", "ColdView", "FailoverColdStore", "FailoverError",
+           "FaultPlan", "FaultyFileIO", "RestoreDeferred", "ServingTier", "build_cold_tier"]

@@ -33,6 +33,7 @@ class ColdTierSpec:
     io_threads: int = 1
     shadow_bytes: int = 1 << 30
     failback_good_probes: int = 3
+    free_floor_bytes: int = 0  # a restore waits for this much room above the shadow's records
     faults: FaultPlan = field(default_factory=FaultPlan)
     fault_seed: int = 0
 
@@ -41,7 +42,9 @@ def build_cold_tier(spec: ColdTierSpec, geometry: KVGeometry, namespace: bytes,
                     listener: ColdListener | None = None, *,
                     file_io: FileOps | None = None) -> FailoverColdStore:
     """The SSD cold store behind a shadow stand-in in `spec.shadow_dir`. An active fault plan
-    wraps the SSD store's file I/O in a `FaultyFileIO` (seeded by `spec.fault_seed`)."""
+    wraps the SSD store's file I/O in a `FaultyFileIO` (seeded by `spec.fault_seed`). A cold
+    directory that cannot be written (read-only, a full disk) does not fail the build: the
+    pair starts on the shadow (`FailoverColdStore.cause` says why)."""
     fio: FileOps = file_io if file_io is not None else FileIO()
     if spec.faults.active:
         fio = FaultyFileIO(fio, spec.faults, seed=spec.fault_seed)
@@ -57,4 +60,5 @@ def build_cold_tier(spec: ColdTierSpec, geometry: KVGeometry, namespace: bytes,
                        listener=listener)
     return FailoverColdStore(primary, shadow, geometry, probe_dir=spec.cold_dir, file_io=fio,
                              failback_good_probes=spec.failback_good_probes,
-                             shadow_capacity_bytes=int(spec.shadow_bytes), listener=listener)
+                             shadow_capacity_bytes=int(spec.shadow_bytes), listener=listener,
+                             free_floor_bytes=int(spec.free_floor_bytes))

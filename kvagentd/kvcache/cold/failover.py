@@ -18,13 +18,21 @@ cold writes from one of them:
   hot and warm blocks again when it demotes them.
 - restore (an operator, or `failback_good_probes` consecutive good probes of the SSD): every
   shadow record is read, written to the SSD and only then deleted from the shadow; a failure
-  stops the restore and keeps serving from the shadow. So no committed block is lost.
+  stops the restore and keeps serving from the shadow. So no committed block is lost. A
+  restore starts only when the SSD store takes writes and the disk has room for the shadow's
+  records above the free-space floor; otherwise it is deferred (`failback.py`).
+- every switch to the shadow has a `cause` (`causes.Cause`): a full disk, a read-only one,
+  I/O errors, an operator, or records left in the shadow at start. An SSD directory that
+  cannot be written at start (read-only, a full disk) starts the pair on the shadow instead
+  of failing: its records stay readable.
+- while the shadow serves, compaction keeps running: on the shadow, and on the SSD (rewriting
+  live records only while the device itself is healthy, a full disk; only dropping dead
+  segments after I/O errors; not at all while it is read-only).
 """
 
 from __future__ import annotations
 
 import enum
-import errno
 import os
 import sqlite3
 import threading
@@ -37,13 +45,16 @@ import structlog
 import torch
 
 from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdEntry, ColdListener, KVGeometry
+from kvagentd.kvcache.cold import failback
+from kvagentd.kvcache.cold.causes import Cause
+from kvagentd.kvcache.cold.failback import PROBE_NAME, FailoverError, RestoreDeferred
 from kvagentd.kvcache.cold.store import ColdStore
 from kvagentd.kvcache.fileio import FileIO, FileOps
 from kvagentd.kvcache.transitions import check_transition
 
 log = structlog.get_logger(__name__)
 
-PROBE_NAME = ".kvagentd-probe"
+__all__ = ["PROBE_NAME", "FailoverColdStore", "FailoverError", "RestoreDeferred", "ServingTier"]
 
 
 class ServingTier(enum.Enum):
@@ -57,10 +68,6 @@ _TRANSITIONS: dict[ServingTier, frozenset[ServingTier]] = {
     ServingTier.SHADOW: frozenset({ServingTier.RESTORING}),
     ServingTier.RESTORING: frozenset({ServingTier.SSD, ServingTier.SHADOW}),
 }
-
-
-class FailoverError(RuntimeError):
-    """A restore could not complete (the SSD is still failing); the shadow keeps serving."""
 
 
 def _io_errors(store: ColdStore) -> int:
@@ -86,6 +93,10 @@ class ColdView(NamedTuple):
     index_discarded: dict[str, str | None]  # why a device's index was set aside at open
     failovers: int
     failbacks: int
+    cause: str | None = None  # Cause value of the switch to the shadow (None on the SSD)
+    ssd_unwritable: str | None = None  # why the SSD directory could not be written at open
+    restore_deferred: str | None = None  # why the last due restore did not start
+    restore_need_bytes: int = 0  # free SSD space a restore wants (shadow records + floor)
 
 
 class FailoverColdStore:
@@ -99,7 +110,9 @@ class FailoverColdStore:
     def __init__(self, primary: ColdStore, shadow: ColdStore, geometry: KVGeometry, *,
                  probe_dir: Path, file_io: FileOps | None = None, failback_good_probes: int = 3,
                  shadow_capacity_bytes: int = 0, clock: Callable[[], float] = time.time,
-                 listener: ColdListener | None = None) -> None:
+                 listener: ColdListener | None = None,
+                 free_bytes: Callable[[], int | None] | None = None,
+                 free_floor_bytes: int = 0) -> None:
         if primary.namespace != shadow.namespace:
             raise ValueError("the SSD store and its shadow hold different namespaces")
         self.primary, self.shadow, self.geometry = primary, shadow, geometry
@@ -109,10 +122,14 @@ class FailoverColdStore:
         self.file_io: FileOps = file_io if file_io is not None else FileIO()
         self.failback_good_probes = failback_good_probes
         self.shadow_capacity_bytes = shadow_capacity_bytes
+        self.free_floor_bytes = int(free_floor_bytes)
+        self._free_bytes = free_bytes
         self.clock = clock
         self._lock = threading.RLock()
-        self._restore_lock = threading.Lock()
+        self.restore_lock = threading.Lock()
         self.state = ServingTier.SSD
+        self.cause: Cause | None = None  # why the shadow serves (None while the SSD does)
+        self.restore_deferred: str | None = None  # why the last restore did not start
         self.since = clock()
         self.reason = "start"
         self.good_probes = 0
@@ -121,36 +138,99 @@ class FailoverColdStore:
         self.restored_blocks = 0
         self._errors_seen = _io_errors(primary)
         self._wear_read_only = bool(primary.read_only)
-        if shadow.keys():
+        if primary.unwritable is not None:
+            # A read-only cold directory, or a full disk: serve from the shadow meanwhile;
+            # the SSD's records stay readable. Nothing to tell the store: it holds no
+            # blocks yet.
+            cause = primary.unwritable_cause or Cause.IO_ERROR
+            self.set_state(ServingTier.SHADOW, "the cold directory could not be written at "
+                           f"start ({cause.value}): {primary.unwritable}", cause)
+            self.failovers += 1
+        elif (free := self.free_bytes()) is not None and free < self.free_floor_bytes:
+            # A full disk (the index got the reserve's room to open): new records go to the
+            # shadow until eviction makes room above the floor.
+            self.set_state(ServingTier.SHADOW, f"the cold disk has {free} B free at start, "
+                           f"below the {self.free_floor_bytes} B floor", Cause.NO_SPACE)
+            self.failovers += 1
+        elif shadow.keys():
             # A previous run failed over and stopped before failing back: keep serving the
             # shadow's records and write them back after good probes.
-            self._set(ServingTier.SHADOW, f"shadow holds {len(shadow.keys())} blocks at start")
+            self.set_state(ServingTier.SHADOW,
+                           f"shadow holds {len(shadow.keys())} blocks at start", Cause.START)
 
     # ---- state ---------------------------------------------------------------------------
-    def _set(self, new: ServingTier, reason: str) -> None:
+    def set_state(self, new: ServingTier, reason: str, cause: Cause | None = None) -> None:
+        """Switch the serving tier (along `_TRANSITIONS`); `cause` of a switch to the shadow
+        (kept when None: the restore going back)."""
         with self._lock:
             check_transition(_TRANSITIONS, self.state, new, "cold tier serving")
             old, self.state = self.state, new
             self.since, self.reason = self.clock(), reason
             self.good_probes = 0
-        log.warning("cold_tier_serving", old=old.value, new=new.value, reason=reason)
+            if new is ServingTier.SSD:
+                self.cause = None
+            elif cause is not None:
+                self.cause = cause
+        log.warning("cold_tier_serving", old=old.value, new=new.value, reason=reason,
+                    cause=self.cause.value if self.cause else None)
 
     @property
     def serving(self) -> ServingTier:
         return self.state
 
-    def activate(self, reason: str) -> bool:
-        """Send new cold writes to the shadow; False when already there."""
+    @property
+    def wear_read_only(self) -> bool:
+        """The SSD was made read-only for wear (a restore must wait for a new device)."""
+        return self._wear_read_only
+
+    def activate(self, reason: str, cause: Cause | None = None) -> bool:
+        """Send new cold writes to the shadow; False when already there. `cause` defaults to
+        what the SSD store's last failed write said (else I/O errors). Already on the shadow,
+        I/O errors replace a milder cause (compaction then stops rewriting the SSD)."""
+        cause = cause or self.primary.last_fault or Cause.IO_ERROR
         with self._lock:
             if self.state is ServingTier.SHADOW:
+                if cause is Cause.IO_ERROR and self.cause is not Cause.IO_ERROR:
+                    self.cause = cause
+                    log.warning("cold_tier_failover_cause", cause=cause.value, reason=reason)
                 return False
-            if self.state is ServingTier.RESTORING:
-                self._set(ServingTier.SHADOW, reason)  # the restore loop notices and stops
-            else:
-                self._set(ServingTier.SHADOW, reason)
+            if self.state is ServingTier.SSD:
                 self.failovers += 1
+            self.set_state(ServingTier.SHADOW, reason, cause)  # a restore notices and stops
         self._notify_failover()
         return True
+
+    def restore_failed(self, reason: str) -> None:
+        """A write-back failed part way: serve from the shadow again."""
+        with self._lock:
+            if self.state is not ServingTier.RESTORING:
+                return
+            self.set_state(ServingTier.SHADOW, reason,
+                           self.primary.last_fault or Cause.IO_ERROR)
+        self._notify_failover()
+
+    def resync_errors(self) -> None:
+        """Forget the SSD store's faults seen so far (before a restore writes to it)."""
+        with self._lock:
+            self._errors_seen = _io_errors(self.primary)
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the SSD's filesystem, or None when unknown."""
+        if self._free_bytes is not None:
+            return self._free_bytes()
+        try:
+            st = os.statvfs(self.probe_dir)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+    def space_wanted(self) -> int:
+        """Bytes to free on the SSD before a restore deferred for space can start (0 when
+        none is deferred for space, or the shadow's records fit)."""
+        if self.state is ServingTier.SSD or self.restore_deferred is None \
+                or self.primary.unwritable is not None:
+            return 0
+        return failback.space_wanted(self)
 
     def _notify_failover(self) -> None:
         """Tell the store that SSD copies are no longer to be relied on (no lock held)."""
@@ -232,10 +312,20 @@ class FailoverColdStore:
         return {k: int(a.get(k, 0)) + int(b.get(k, 0)) for k in set(a) | set(b)}
 
     def compact(self, min_dead_ratio: float = 0.5) -> int:
-        """Segment compaction of the SSD store (skipped, 0, while it is not serving)."""
-        if self.state is not ServingTier.SSD:
-            return 0
-        return self.primary.compact(min_dead_ratio)
+        """Segment compaction of the SSD store, and of the shadow while it serves; on the
+        shadow, the SSD's live records are rewritten only while the device is healthy (a
+        full disk), dead segments dropped after I/O errors, nothing while it is read-only."""
+        if self.state is ServingTier.SSD:
+            return self.primary.compact(min_dead_ratio)
+        n = self.shadow.compact(min_dead_ratio)
+        cause = self.cause or Cause.IO_ERROR
+        if cause is Cause.READ_ONLY or self.primary.unwritable_cause is Cause.READ_ONLY:
+            return n
+        try:
+            n += self.primary.compact(min_dead_ratio, rewrite=cause.device_healthy)
+        except OSError as exc:
+            log.warning("cold_compact_failed", error=str(exc))
+        return n
 
     def set_read_only(self, flag: bool) -> None:
         """Wear limit reached (or cleared): the SSD takes no new records; not a failover."""
@@ -318,21 +408,32 @@ class FailoverColdStore:
                 "shadow_fill": round(used / cap, 4) if cap else None,
                 "good_probes": self.good_probes, "failback_after": self.failback_good_probes,
                 "failovers": self.failovers, "failbacks": self.failbacks,
-                "restored_blocks": self.restored_blocks}
+                "restored_blocks": self.restored_blocks,
+                "cause": self.cause.value if self.cause else None,
+                "ssd_unwritable": self.primary.unwritable,
+                "restore_deferred": self.restore_deferred,
+                "restore_need_bytes": (int(used) + self.free_floor_bytes
+                                       if self.state is not ServingTier.SSD else 0),
+                "ssd_free_bytes": self.free_bytes()}
 
     def view(self) -> ColdView:
         """Read-only figures for health checks and metrics (no index scans)."""
         with self._lock:
             serving, since, reason = self.state.value, self.since, self.reason
+            cause, deferred = self.cause, self.restore_deferred
         p, s = self.primary, self.shadow
         return ColdView(serving=serving, since=since, reason=reason,
-                        read_only=bool(p.read_only),
+                        read_only=bool(p.read_only) or p.unwritable is not None,
                         ssd_bytes=p.bytes_used, ssd_capacity_bytes=p.capacity_bytes,
                         shadow_bytes=s.bytes_used, shadow_capacity_bytes=self.shadow_capacity_bytes,
                         counters={"ssd": dict(p.counters), "shadow": dict(s.counters)},
                         index_discarded={"ssd": p.index.discarded_at_open,
                                          "shadow": s.index.discarded_at_open},
-                        failovers=self.failovers, failbacks=self.failbacks)
+                        failovers=self.failovers, failbacks=self.failbacks,
+                        cause=cause.value if cause else None, ssd_unwritable=p.unwritable,
+                        restore_deferred=deferred,
+                        restore_need_bytes=(int(s.bytes_used) + self.free_floor_bytes
+                                            if serving != ServingTier.SSD.value else 0))
 
     def close(self) -> None:
         self.shadow.close()
@@ -344,29 +445,11 @@ class FailoverColdStore:
     # ---- probes and failback -------------------------------------------------------------
     def probe_once(self) -> bool:
         """Write, fsync, read back and remove a small file on the SSD through its file_io."""
-        fio = self.file_io
-        path = str(self.probe_dir / PROBE_NAME)
-        payload = os.urandom(4096)
-        try:
-            fd = fio.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                if fio.pwrite(fd, payload, 0) != len(payload):
-                    raise OSError(errno.EIO, "short probe write")
-                fio.fsync(fd)
-                back = bytearray(len(payload))
-                if fio.preadv(fd, [memoryview(back)], 0) != len(payload):
-                    raise OSError(errno.EIO, "short probe read")
-            finally:
-                fio.close(fd)
-            fio.unlink(path)
-        except OSError as exc:
-            log.info("ssd_probe_failed", error=str(exc))
-            return False
-        return bytes(back) == payload
+        return failback.probe_once(self)
 
     def probe(self) -> dict[str, Any]:
         """One health-interval probe: while on the shadow, count good probes and fail back
-        after `failback_good_probes` in a row."""
+        after `failback_good_probes` in a row (unless the restore is deferred)."""
         if self.state is not ServingTier.SHADOW:
             return {"probed": False, "serving": self.state.value}
         ok = self.probe_once()
@@ -377,57 +460,15 @@ class FailoverColdStore:
         if due:
             try:
                 out["restore"] = self.restore(reason=f"{self.good_probes} good probes")
+            except RestoreDeferred as exc:
+                out["restore_deferred"] = str(exc)
             except FailoverError as exc:
                 out["restore_error"] = str(exc)
         return out
 
     def restore(self, reason: str = "operator request") -> dict[str, Any]:
         """Write every shadow record back to the SSD, then empty the shadow and serve from the
-        SSD. Raises `FailoverError` (and keeps serving from the shadow) if a write fails."""
-        with self._restore_lock:
-            if self.state is ServingTier.SSD and not self.shadow.keys():
-                return {"restored": 0, "serving": self.state.value}
-            if self.state is ServingTier.SSD:
-                self._set(ServingTier.SHADOW, "records left in the shadow")
-            self._errors_seen = _io_errors(self.primary)
-            if self._wear_read_only:
-                raise FailoverError("the SSD is read-only for wear; replace it before restoring")
-            self.primary.read_only = False  # set by an EROFS write failure
-            self._set(ServingTier.RESTORING, reason)
-            moved = 0
-            buf = torch.empty(self.geometry.block_shape, dtype=self.geometry.dtype)
-            for _ in range(8):  # re-list: writes racing the state change may land late
-                rows = self.shadow.snapshot()
-                if not rows:
-                    break
-                for b in rows:
-                    if self.state is not ServingTier.RESTORING:
-                        raise FailoverError(f"restore interrupted after {moved} blocks: "
-                                            f"{self.reason}")
-                    if not self.shadow.read_into([b.key], [buf])[0]:
-                        continue  # unreadable in the shadow: it was lost there, counted there
-                    try:
-                        ok = self.primary.contains(b.key) or self.primary.put_many(
-                            [b.key], [buf], session=b.sessions[0] if b.sessions else "",
-                            num_tokens=self.geometry.block_tokens)[0]
-                    except (OSError, sqlite3.Error) as exc:
-                        ok = False
-                        if self.state is ServingTier.RESTORING:
-                            self._set(ServingTier.SHADOW, f"restore failed: {exc}")
-                            self._notify_failover()
-                    if not ok:
-                        if self.state is ServingTier.RESTORING:
-                            self._set(ServingTier.SHADOW, "restore failed: SSD write refused")
-                            self._notify_failover()
-                        raise FailoverError(f"restore stopped after {moved} blocks: "
-                                            "the SSD refused a write")
-                    self.shadow.delete([b.key])
-                    moved += 1
-            if self.shadow.keys():
-                self._set(ServingTier.SHADOW, "restore left records in the shadow")
-                raise FailoverError("restore could not drain the shadow")
-            self._set(ServingTier.SSD, reason)
-            self.failbacks += 1
-            self.restored_blocks += moved
-            log.warning("cold_tier_failback", restored=moved, reason=reason)
-            return {"restored": moved, "serving": self.state.value}
+        SSD. Raises `RestoreDeferred` (nothing moved) when the SSD store takes no writes or
+        the disk lacks room for the shadow's records above the floor, `FailoverError` (and
+        keeps serving from the shadow) if a write fails."""
+        return failback.restore(self, reason)

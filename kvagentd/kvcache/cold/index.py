@@ -9,7 +9,10 @@ fail a read of a record that verified.
 
 An index that cannot be opened is set aside (renamed `index.sqlite3.corrupt-<time>`), never
 trusted: a new one starts empty and the old segment files are removed as unindexed garbage.
-That costs recomputation, never wrong KV, and is reported (`discarded_at_open`).
+That costs recomputation, never wrong KV, and is reported (`discarded_at_open`). An index
+that merely cannot be written (a read-only directory or file, a full disk) is never set
+aside: it is opened read-only, its records stay readable, and `unwritable` says why until
+`reopen` succeeds.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from typing import Any, NamedTuple
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, ColdEntry
+from kvagentd.kvcache.cold.causes import Cause, cause_in, is_corrupt
 from kvagentd.kvcache.cold.record import RecordRow
 from kvagentd.kvcache.fileio import FileOps
 
 log = structlog.get_logger(__name__)
 
+INDEX_NAME = "index.sqlite3"
 TOUCH_BATCH = 4096            # deferred last-access updates written together ...
 TOUCH_EVERY_S = 1.0           # ... or after this long
 _IN_CHUNK = 500               # keys per "IN (...)" query
@@ -78,20 +83,27 @@ class ColdIndex:
         self.errors = 0
         self.touch_dropped = 0
         self.discarded_at_open: str | None = None  # why an unreadable index was set aside
-        self.db = self._open()
+        # why the index takes no writes (a read-only directory, a full disk), and the cause
+        self.unwritable: str | None = None
+        self.unwritable_cause: Cause | None = None
         self._touch_pending: dict[bytes, float] = {}
         self._touch_flushed = time.monotonic()
         self._last_segment = 0
-        with self.lock:
-            self.db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
-            self._bytes_used = int(self.db.execute(
-                "SELECT COALESCE(SUM(length), 0) FROM blocks").fetchone()[0])
+        self._bytes_used = 0
+        self.db = self._open()
+        self._seal_and_count()
 
     # -- opening -----------------------------------------------------------------------------
     def _open(self) -> sqlite3.Connection:
-        path = self.directory / "index.sqlite3"
+        """The index opened for writing; a corrupt one is set aside for a new, empty one.
+        One that cannot be written (a read-only directory or file, a full disk) is opened
+        read-only instead, with `unwritable` saying why: its records stay readable."""
+        path = self.directory / INDEX_NAME
         for attempt in range(2):
-            db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            try:
+                db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            except sqlite3.Error as exc:
+                return self._open_read_only(path, exc)
             try:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
@@ -102,17 +114,76 @@ class ColdIndex:
                 return db
             except sqlite3.DatabaseError as exc:
                 db.close()
-                if attempt:
-                    raise
-                aside = path.with_name(f"index.sqlite3.corrupt-{int(time.time())}")
-                log.error("cold_index_unreadable", path=str(path), error=str(exc),
-                          moved_to=str(aside))
-                self.discarded_at_open = f"{exc}; set aside as {aside.name}"
-                for suffix in ("", "-wal", "-shm"):
-                    src = Path(str(path) + suffix)
-                    if src.exists():
-                        self.io.rename(str(src), str(aside) + suffix)
+                if attempt or not is_corrupt(exc):
+                    return self._open_read_only(path, exc)
+                try:
+                    self._set_aside(path, exc)
+                except OSError as err:
+                    return self._open_read_only(path, err)
         raise AssertionError("unreachable")
+
+    def _set_aside(self, path: Path, exc: sqlite3.Error) -> None:
+        aside = path.with_name(f"{INDEX_NAME}.corrupt-{int(time.time())}")
+        log.error("cold_index_unreadable", path=str(path), error=str(exc), moved_to=str(aside))
+        self.discarded_at_open = f"{exc}; set aside as {aside.name}"
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(str(path) + suffix)
+            if src.exists():
+                self.io.rename(str(src), str(aside) + suffix)
+
+    def _open_read_only(self, path: Path, why: BaseException) -> sqlite3.Connection:
+        """The index as it is, for reading only (or an empty one in memory when even that
+        fails); `unwritable` says why."""
+        self.unwritable = str(why) or type(why).__name__
+        self.unwritable_cause = cause_in(why, self.directory)
+        log.error("cold_index_unwritable", path=str(path), error=self.unwritable,
+                  cause=self.unwritable_cause.value)
+        for query in ("mode=ro", "immutable=1"):
+            try:
+                db = sqlite3.connect(f"{path.as_uri()}?{query}", uri=True,
+                                     check_same_thread=False, isolation_level=None)
+            except sqlite3.Error:
+                continue
+            try:
+                db.execute("SELECT COUNT(*) FROM blocks").fetchone()
+                db.execute("SELECT COUNT(*) FROM segments").fetchone()
+                return db
+            except sqlite3.Error:
+                db.close()
+        db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+        db.executescript(_SCHEMA)
+        return db
+
+    def _seal_and_count(self) -> None:
+        """Seal what the last process left active and count the live bytes; an index that
+        refuses the update is left as it is, unwritable."""
+        with self.lock:
+            if self.unwritable is None:
+                try:
+                    self.db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
+                except sqlite3.Error as exc:
+                    self.unwritable = str(exc)
+                    self.unwritable_cause = cause_in(exc, self.directory)
+                    log.error("cold_index_unwritable", directory=str(self.directory),
+                              error=str(exc), cause=self.unwritable_cause.value)
+            self._bytes_used = int(self.db.execute(
+                "SELECT COALESCE(SUM(length), 0) FROM blocks").fetchone()[0])
+            self._last_segment = max(self._last_segment, int(self.db.execute(
+                "SELECT COALESCE(MAX(id), 0) FROM segments").fetchone()[0]))
+
+    def reopen(self) -> str | None:
+        """Open the index for writing again (after the directory was made writable or space
+        was freed); returns why it still cannot be written, or None."""
+        with self.lock:
+            self.flush_touches()
+            try:
+                self.db.close()
+            except sqlite3.Error as exc:
+                log.warning("cold_index_close_failed", error=str(exc))
+            self.unwritable = self.unwritable_cause = None
+            self.db = self._open()
+            self._seal_and_count()
+            return self.unwritable
 
     def _discard_old_segments(self) -> None:
         """After starting a new index: old segment files are unindexed garbage; remove them."""
@@ -294,6 +365,9 @@ class ColdIndex:
             self._touch_flushed = time.monotonic()
             if not pending:
                 return
+            if self.unwritable is not None:  # known: no log line per read
+                self.touch_dropped += len(pending)
+                return
             try:
                 with self.txn():
                     self.db.executemany("UPDATE blocks SET last_access=? WHERE key=?",
@@ -371,8 +445,9 @@ class ColdIndex:
         with self.lock:
             self.flush_touches()
             try:  # the next open re-seals anyway
-                self.db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
-                self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                if self.unwritable is None:
+                    self.db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
+                    self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             except sqlite3.Error as exc:
                 self.failed("close", exc)
             try:

@@ -21,8 +21,9 @@ log = structlog.get_logger(__name__)
 
 
 class SegmentFiles:
-    """Files of one directory. `read_lock` serializes users of the read buffers and of the
-    cached read descriptors (batched reads, compaction, verify); it is held to drop them."""
+    """Files of one directory (its owner creates it). `read_lock` serializes users of the
+    read buffers and of the cached read descriptors (batched reads, compaction, verify); it
+    is held to drop them."""
 
     def __init__(self, directory: Path, io: FileOps, *, o_direct: bool) -> None:
         self.directory = directory
@@ -32,7 +33,6 @@ class SegmentFiles:
         self.read_lock = threading.Lock()
         self._fd_lock = threading.Lock()
         self._rfds: dict[int, int] = {}
-        io.makedirs(str(directory))
 
     def path(self, segment: int) -> str:
         return str(self.directory / f"seg-{segment:08d}.kvs")

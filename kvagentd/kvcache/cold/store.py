@@ -4,9 +4,15 @@ behind the `ColdTier` contract (kvcache/base.py).
 The parts: the record format (`record.py`), the index (`index.py`), the segment files
 (`segments.py`), the writer (`writer.py`: append, sync, then commit rows) and the batched
 reader (`reader.py`). This facade adds capacity (eviction to stay under `capacity_bytes`),
-TTL bookkeeping, compaction and the scrub, and turns every storage fault into a counted,
-returned outcome: `put_many` returns False for a record it could not store, `read_into`
-False for one it could not read and verify. `bytes_used` is recomputed from the index on open.
+TTL bookkeeping, compaction and the scrub (`upkeep.py`), and turns every storage fault into a
+counted, returned outcome: `put_many` returns False for a record it could not store,
+`read_into` False for one it could not read and verify. `bytes_used` is recomputed from the
+index on open.
+
+A directory that cannot be written at open (read-only, or a full disk) does not stop the
+store: it opens for reading, takes no records, and says why (`unwritable`, with its `Cause`)
+until `reopen` succeeds. A small reserve file (`reserve.py`) is given up when the index finds
+the disk full, so that evictions and compaction can still be recorded.
 
 Thread-safe: reads are serialized with each other (they share buffers), and so are writes;
 compaction holds both.
@@ -26,16 +32,20 @@ import torch
 
 from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdEntry, ColdListener, KVGeometry, Tier
 from kvagentd.kvcache.codec import CODECS
+from kvagentd.kvcache.cold.causes import Cause, cause_of
 from kvagentd.kvcache.cold.index import ColdIndex
 from kvagentd.kvcache.cold.reader import SegmentReader
 from kvagentd.kvcache.cold.record import DTYPE_CODES, RecordRow
+from kvagentd.kvcache.cold.reserve import SpaceReserve
 from kvagentd.kvcache.cold.segments import SegmentFiles
+from kvagentd.kvcache.cold.upkeep import Upkeep
 from kvagentd.kvcache.cold.writer import Blocks, SegmentWriter
 from kvagentd.kvcache.fileio import FileIO, FileOps
 
 log = structlog.get_logger(__name__)
 
 _EVICT_BATCH = 256  # eviction candidates the listener is asked about at once
+RESERVE_BYTES = 8 << 20  # the space reserve of a cold directory (at most capacity / 16)
 
 
 class ColdStore:
@@ -45,7 +55,9 @@ class ColdStore:
     but are never returned. `codec` is used for new records; existing records decode with the
     codec named in their header. `file_io` holds the OS file operations. `io_threads`:
     sequential reads in flight per batched read (the queue depth the SSD sees), each into its
-    own read buffer of `read_batch_bytes`. `listener` hears of records evicted for capacity.
+    own read buffer of `read_batch_bytes`. `listener` hears of records evicted for capacity
+    (and names those that must stay). `reserve_bytes`: the space reserve (default
+    min(RESERVE_BYTES, capacity / 16)).
     """
 
     def __init__(self, directory: str | os.PathLike[str], geometry: KVGeometry, namespace: bytes,
@@ -53,7 +65,8 @@ class ColdStore:
                  segment_bytes: int = 256 << 20, io_unit_bytes: int = 128 << 10,
                  o_direct: bool = True, file_io: FileOps | None = None, ttl_s: float = 3600.0,
                  read_batch_bytes: int = 8 << 20, read_only: bool = False,
-                 listener: ColdListener | None = None, io_threads: int = 1) -> None:
+                 listener: ColdListener | None = None, io_threads: int = 1,
+                 reserve_bytes: int | None = None) -> None:
         if geometry.dtype not in DTYPE_CODES:
             raise ValueError(f"unsupported KV dtype {geometry.dtype}")
         if codec not in CODECS:
@@ -71,8 +84,18 @@ class ColdStore:
                              writes=0, write_bytes=0, write_failures=0, refused_full=0,
                              evicted=0,
                              compacted_bytes=0, retired_segments=0)
+        self.last_fault: Cause | None = None  # the cause of the last failed write
+        self._dir_error: tuple[str, Cause] | None = None
+        try:
+            self.io.makedirs(str(self.directory))
+        except OSError as exc:
+            self._dir_error = (f"cannot create {self.directory}: {exc.strerror or exc}",
+                               cause_of(exc))
         self.files = SegmentFiles(self.directory, self.io, o_direct=o_direct)
         self.index = ColdIndex(self.directory, namespace, self.io)
+        self.reserve = SpaceReserve(self.directory, self.io,
+                                    reserve_bytes if reserve_bytes is not None
+                                    else min(RESERVE_BYTES, self.capacity_bytes // 16))
         codec_obj = CODECS[codec](geometry)
         self.writer = SegmentWriter(self.files, self.index, geometry, namespace, codec_obj,
                                     segment_bytes=segment_bytes, io_unit_bytes=io_unit_bytes,
@@ -81,7 +104,13 @@ class ColdStore:
                                     record_len=self.writer.rec, buffer_bytes=read_batch_bytes,
                                     io_threads=io_threads, counters=self.counters,
                                     on_io_error=self.writer.retire)
+        self.upkeep = Upkeep(self.files, self.index, self.reader, self.writer, self.counters,
+                             on_read_only=lambda: self.set_read_only(True))
         self._closed = False
+        self._settle_unwritable()
+        if self.unwritable is not None:
+            log.error("cold_store_unwritable", directory=str(self.directory),
+                      reason=self.unwritable)
 
     # -- properties --------------------------------------------------------------------------
     @property
@@ -97,6 +126,49 @@ class ColdStore:
 
     def set_read_only(self, flag: bool) -> None:
         self.read_only = flag
+
+    @property
+    def unwritable(self) -> str | None:
+        """Why this directory takes no records now (it could not be written at open), or
+        None. Unlike `read_only` (wear, an operator), it ends only with `reopen`."""
+        if self._dir_error is not None:
+            return self._dir_error[0]
+        return self.index.unwritable
+
+    @property
+    def unwritable_cause(self) -> Cause | None:
+        if self._dir_error is not None:
+            return self._dir_error[1]
+        return self.index.unwritable_cause
+
+    def _settle_unwritable(self) -> None:
+        """At open: an index that found the disk full gets the reserve's space and one more
+        try; a writable one takes the reserve if it is not held."""
+        if self.unwritable_cause is Cause.NO_SPACE and self._dir_error is None \
+                and self.reserve.release():
+            self.index.reopen()
+        if self.unwritable is None:
+            self.reserve.ensure()
+
+    def reopen(self) -> str | None:
+        """Try again to make a directory that could not be written at open writable (it was
+        made writable, space was freed); returns why it still cannot be, or None."""
+        with self.writer.lock, self.files.read_lock:
+            if self._dir_error is not None:
+                try:
+                    self.io.makedirs(str(self.directory))
+                    self._dir_error = None
+                except OSError as exc:
+                    self._dir_error = (f"cannot create {self.directory}: "
+                                       f"{exc.strerror or exc}", cause_of(exc))
+                    return self._dir_error[0]
+            if self.index.unwritable is not None:
+                self.files.close_read_fds()
+                self.index.reopen()
+            self._settle_unwritable()
+        if self.unwritable is None:
+            log.warning("cold_store_writable", directory=str(self.directory))
+        return self.unwritable
 
     @property
     def bytes_used(self) -> int:
@@ -127,7 +199,7 @@ class ColdStore:
         n = len(keys)
         if n == 0:
             return []
-        if self._read_only:
+        if self._read_only or self.unwritable is not None:
             return [False] * n
         todo: list[int] = []
         with self.writer.lock:
@@ -145,6 +217,7 @@ class ColdStore:
                 return self._put_failed(keys, todo, exc)
             except sqlite3.Error as exc:
                 self.index.failed("put", exc)
+                self.last_fault = cause_of(exc)
                 return self._put_failed(keys, None, None)
         self.counters["writes"] += len(todo)
         self.counters["write_bytes"] += len(todo) * self.writer.rec
@@ -164,6 +237,7 @@ class ColdStore:
         if todo is not None:
             self.counters["writes"] += sum(1 for i in todo if ok[i])
         if exc is not None:
+            self.last_fault = cause_of(exc)
             self.writer.failed(exc, on_read_only=lambda: self.set_read_only(True))
             log.error("cold_write_failed", errno=exc.errno, error=str(exc), blocks=failed)
         return ok
@@ -249,10 +323,17 @@ class ColdStore:
 
     def delete(self, keys: Iterable[BlockKey]) -> int:
         """Drop records from the index (space is reclaimed by `compact`). An index that
-        refuses the write keeps the records (0, counted): they stay valid, only unreferenced."""
+        refuses the write keeps the records (0, counted): they stay valid, only unreferenced.
+        On a full disk the space reserve is given up for the index first."""
+        keys = list(keys)
         try:
-            return self.index.delete_rows(list(keys))
+            return self.index.delete_rows(keys)
         except sqlite3.Error as exc:
+            if cause_of(exc) is Cause.NO_SPACE and self.reserve.release():
+                try:  # the reserve's space lets the index record the deletion
+                    return self.index.delete_rows(keys)
+                except sqlite3.Error as again:
+                    exc = again
             self.index.failed("delete", exc)
             return 0
 
@@ -288,126 +369,35 @@ class ColdStore:
                 for k, la, ln in self.index.usage()]
 
     # -- maintenance ---------------------------------------------------------------------------
-    def compact(self, min_dead_ratio: float = 0.5) -> int:
-        """Rewrite the live records of non-active segments whose dead share is at least
-        `min_dead_ratio` (and of retired segments) into the active segment, then delete those
-        files. Returns bytes reclaimed. Unreadable records are dropped and counted."""
-        reclaimed = 0
-        with self.writer.lock, self.files.read_lock:
-            try:
-                for seg, state, size, live in self.index.segment_use():
-                    if state != "retired" and size and (size - live) / size < min_dead_ratio:
-                        continue
-                    if live and self._read_only:
-                        continue
-                    if live and not self._move_live(seg):
-                        continue
-                    self.files.close_read_fd(seg)
-                    try:
-                        reclaimed += self.io.size(self.files.path(seg))
-                        self.io.unlink(self.files.path(seg))
-                    except FileNotFoundError:
-                        pass
-                    except OSError as exc:
-                        log.warning("cold_unlink_failed", segment=seg, error=str(exc))
-                        continue
-                    self.index.drop_segment(seg)
-            except sqlite3.Error as exc:  # a full disk: what was moved stays consistent
-                self.index.failed("compact", exc)
-        self.counters["compacted_bytes"] += reclaimed
+    def compact(self, min_dead_ratio: float = 0.5, *, rewrite: bool = True) -> int:
+        """Reclaim the space of segments whose dead share is at least `min_dead_ratio` (and
+        of retired ones), rewriting their live records first; without `rewrite` (or while
+        read-only), only segments with nothing live go. Returns bytes reclaimed. Then takes
+        the space reserve again if there is room."""
+        if self._dir_error is not None:
+            return 0
+        try:
+            reclaimed = self.upkeep.compact(
+                min_dead_ratio, rewrite=rewrite and not self._read_only
+                and self.index.unwritable is None)
+        except sqlite3.Error as exc:  # a full disk: what was moved stays consistent
+            self.index.failed("compact", exc)
+            if cause_of(exc) is Cause.NO_SPACE:
+                self.reserve.release()
+            return 0
+        if self.unwritable is None:
+            with self.writer.lock:
+                self.reserve.ensure()
         return reclaimed
 
-    def _move_live(self, seg: int) -> bool:
-        """Copy the verified live records of `seg` to the write position; caller holds the
-        writer lock and the read lock."""
-        for r in self.index.segment_rows(seg):
-            if r.length > self.writer.max_copy_bytes:
-                return False
-            got, buf = self.reader.read_one(r)
-            if isinstance(got, OSError) or got < r.length or isinstance(self.reader.check(buf, 0, r), str):
-                self.counters["corrupt"] += 1
-                self.index.delete_rows([r.key])
-                continue
-            try:
-                self.writer.copy(r.key, memoryview(buf)[:r.length])
-            except OSError as exc:
-                log.error("cold_compact_write_failed", error=str(exc))
-                seg_now = self.writer.active_segment
-                if seg_now is not None:
-                    self.writer.retire(seg_now, f"write: {exc.strerror or exc}")
-                return False
-        return True
-
     def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
-        """Scrub: read and check every record of this namespace. `missing`: its segment file
-        is absent or short; `corrupt`: checksum / header mismatch or I/O error. A record that
-        fails where it was listed is checked again where the index points now: compaction
-        may have moved it meanwhile (and removed the segment it was listed in), and a moved,
-        valid record is neither reported nor repaired (`moved` counts those checked again).
-        `repair` drops the bad ones from the index, each only while its row still points
-        where it was found bad. Rate-limited when asked."""
-        checked = nbytes = rechecked = 0
-        bad: dict[bytes, tuple[RecordRow, str]] = {}
-        t0 = time.monotonic()
-        for r in self.index.segment_rows(None):
-            verdict = self._check_row(r)
-            checked += verdict != "missing_file"
-            if verdict != "ok":
-                bad[r.key] = (r, verdict)
-            nbytes += r.length
-            if rate_bytes_per_s:
-                ahead = nbytes / rate_bytes_per_s - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
-        for _ in range(3):  # moved again while being rechecked: look once more
-            moved = self._moved_since(bad)
-            if not moved:
-                break
-            rechecked += len(moved)
-            for r in moved:
-                verdict = self._check_row(r)
-                checked += verdict != "missing_file"
-                if verdict == "ok":
-                    del bad[r.key]
-                else:
-                    bad[r.key] = (r, verdict)
-        corrupt = sum(1 for _, v in bad.values() if v == "corrupt")
-        missing = len(bad) - corrupt
-        repaired = 0
-        if repair and bad:
-            at = {k: r for k, (r, _) in bad.items()}
-            try:
-                repaired = self.index.delete_rows(list(at), if_at=at)
-            except sqlite3.Error as exc:
-                self.index.failed("verify", exc)
-        self.counters["corrupt"] += corrupt
-        return {"checked": checked, "corrupt": corrupt, "missing": missing, "repaired": repaired,
-                "bytes": nbytes, "moved": rechecked}
-
-    def _check_row(self, r: RecordRow) -> str:
-        """The verdict on one record: ok, corrupt, missing (a short segment) or missing_file."""
-        with self.files.read_lock:
-            if not os.path.exists(self.files.path(r.segment)):
-                return "missing_file"
-            got, buf = self.reader.read_one(r)
-            if isinstance(got, OSError):
-                return "corrupt"
-            if got < r.length:
-                return "missing"
-            if isinstance(self.reader.check(buf, 0, r), str):
-                log.error("cold_checksum_failed", key=r.key.hex(), segment=r.segment,
-                          reason="scrub")
-                return "corrupt"
-        return "ok"
-
-    def _moved_since(self, bad: dict[bytes, tuple[RecordRow, str]]) -> list[RecordRow]:
-        """Current rows of `bad` records that now point elsewhere than where they failed;
-        records deleted meanwhile leave `bad` (nothing to report or repair)."""
-        now = self.index.rows(list(bad))
-        for k in [k for k in bad if k not in now]:
-            del bad[k]
-        return [r for k, r in now.items()
-                if (r.segment, r.offset) != (bad[k][0].segment, bad[k][0].offset)]
+        """Scrub: read and check every record of this namespace (see `Upkeep.verify`).
+        `missing`: its segment file is absent or short; `corrupt`: checksum / header mismatch
+        or I/O error; `moved`: records compaction moved during the pass, checked again where
+        they went (a moved, valid record is neither reported nor repaired). `repair` drops
+        the bad ones from the index, each only while its row still points where it was found
+        bad. Rate-limited when asked."""
+        return self.upkeep.verify(repair, rate_bytes_per_s)
 
     def stats(self) -> dict[str, Any]:
         n = self.index.count()
@@ -418,7 +408,10 @@ class ColdStore:
                 "capacity_bytes": self.capacity_bytes, "codec": self.codec_name,
                 "read_only": self._read_only, "o_direct": self.files.o_direct_active,
                 "segments": segs, **self.counters, "index_errors": self.index.errors,
-                "touch_dropped": self.index.touch_dropped}
+                "touch_dropped": self.index.touch_dropped, "unwritable": self.unwritable,
+                "unwritable_cause": c.value if (c := self.unwritable_cause) else None,
+                "last_fault": self.last_fault.value if self.last_fault else None,
+                "reserve_bytes": self.reserve.held, "reserve_released": self.reserve.released}
 
     def close(self) -> None:
         if self._closed:
