@@ -38,7 +38,7 @@ def test_daemon_starts_degraded_on_the_shadow(short_dir: Path, condition: str) -
         health = p.get("/v1/health")
         checks = {c["name"]: c for c in health["checks"]}
         assert checks["cold-tier"]["status"] == "degraded"
-        assert "could not be written at start" in checks["cold-tier"]["detail"]
+        assert "could not be written at start" in checks["cold-tier"]["reason"]
         assert checks["read-only"]["status"] == "degraded"
         first = _ask(p, "op-1", "How is pump-1 doing?")
         again = _ask(p, "op-1", "And now?")
