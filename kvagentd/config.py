@@ -251,6 +251,31 @@ class MaintenanceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """The optional metrics-only TCP listener (GET /metrics, nothing else)."""
+
+    listen: str = ""  # "" off; "9464" = 127.0.0.1:9464; "HOST:PORT", "[::1]:9464"
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """("127.0.0.1", 9464) from "9464", "HOST:PORT" or "[V6]:PORT"; raises ValueError."""
+    text = text.strip()
+    if text.isdigit():
+        host, port_text = "127.0.0.1", text
+    elif text.startswith("["):
+        host, sep, port_text = text[1:].partition("]:")
+        if not sep:
+            raise ValueError("an IPv6 address needs brackets and a port: [::1]:9464")
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host or ":" in host:
+            raise ValueError("expected PORT, HOST:PORT or [IPV6]:PORT")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"port {port_text!r} is not in 1-65535")
+    return host, int(port_text)
+
+
+@dataclass(frozen=True, slots=True)
 class HealthConfig:
     """Thresholds of the health checks (`kvctl health`); every field reloads on SIGHUP."""
 
@@ -293,6 +318,7 @@ class Config:
     agent: AgentConfig = AgentConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
     health: HealthConfig = HealthConfig()
+    metrics: MetricsConfig = MetricsConfig()
     debug: DebugConfig = DebugConfig()
 
     @property
@@ -480,6 +506,13 @@ def _cross_checks(cfg: Config) -> None:
     if cfg.placement.warm_factor > cfg.placement.hot_factor:
         raise ConfigError("placement.warm_factor", cfg.placement.warm_factor,
                           f"a number <= placement.hot_factor ({cfg.placement.hot_factor})")
+    if cfg.metrics.listen:
+        try:
+            parse_listen(cfg.metrics.listen)
+        except ValueError as exc:
+            raise ConfigError("metrics.listen", cfg.metrics.listen,
+                              f'"" (off), a port ("9464", on 127.0.0.1) or "HOST:PORT" ({exc})'
+                              ) from None
     h = cfg.health
     for low, high in (("skip_rate_degraded", "skip_rate_failing"),
                       ("tick_p99_degraded", "tick_p99_failing"),

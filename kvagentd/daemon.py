@@ -32,14 +32,18 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from kvagentd import __version__
 from kvagentd import log as logsetup
-from kvagentd.config import RELOADABLE, Config, ConfigError, diff_reloadable, load_config
+from kvagentd.config import (RELOADABLE, Config, ConfigError, diff_reloadable, load_config,
+                             parse_listen)
 from kvagentd.control.handlers import register_all
 from kvagentd.control.router import Router
 from kvagentd.control.server import ControlServer, ControlSocketInUse
-from kvagentd.health import Acknowledgements, DaemonFacts, Report, assess, gather
+from kvagentd.health import Acknowledgements, DaemonFacts, Facts, Report, assess, gather
+from kvagentd.health.facts import TICK_PREFIX
 from kvagentd.jobwatch import JobWatch
 from kvagentd.kvcache.transitions import check_transition
 from kvagentd.metrics import CoreMetrics, new_registry
+from kvagentd.metrics_http import MetricsListener
+from kvagentd.scrape import Scrape, ScrapeCollector
 from kvagentd.services import BuildContext, Service, Services, build_services
 from kvagentd.status import GpuProbe, host_status
 from kvagentd.systemd import Notifier
@@ -93,6 +97,7 @@ class Daemon:
         self.scheduler.add_listener(self._on_job_event, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR
                                     | EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
         self.acks = Acknowledgements()
+        self.metrics.register(ScrapeCollector(self.scrape))
         self._health_level = "ok"
         self.started_at = time.time()
         self._t0 = time.monotonic()
@@ -101,6 +106,8 @@ class Daemon:
         self._started: list[tuple[str, Service]] = []
         self.router = Router()
         self.server: ControlServer | None = None
+        self.metrics_listener: MetricsListener | None = None
+        self.metrics_error: str | None = None  # why the metrics listener is not listening
         self.gpu = GpuProbe()
         self._phase = Phase.STARTING
         self._phase_lock = threading.Lock()
@@ -196,6 +203,7 @@ class Daemon:
                                     observe=self.core_metrics.observe_request,
                                     is_ready=lambda: self.ready)
         self.server.start()
+        self._start_metrics_listener()
         self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
         self.notifier.status("building services")
         self.services = self._build(cfg, BuildContext(self.scheduler, self.metrics,
@@ -218,6 +226,22 @@ class Daemon:
         self._last_status_line = line
         log.info("daemon_ready", socket=str(cfg.control.socket), services=self._started_names(),
                  startup_s=round(self.uptime_s(), 3))
+
+    def _start_metrics_listener(self) -> None:
+        """The optional metrics-only TCP listener; one that cannot bind is a degraded health
+        check, never a failed start (the agent matters more than its scrape)."""
+        if not self.config.metrics.listen:
+            return
+        host, port = parse_listen(self.config.metrics.listen)
+        listener = MetricsListener(host, port, self.metrics)
+        try:
+            listener.start()
+        except OSError as exc:
+            self.metrics_error = f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            log.error("metrics_listener_failed", address=f"{host}:{port}", error=str(exc),
+                      effect="metrics only on the control socket")
+            return
+        self.metrics_listener = listener
 
     def _on_build_phase(self, text: str) -> None:
         self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
@@ -266,6 +290,9 @@ class Daemon:
         self.notifier.stopping("stopping: draining requests")
         if self.server is not None:
             self.server.stop(self.config.daemon.drain_timeout_s)
+        if self.metrics_listener is not None:
+            self.metrics_listener.stop()
+            self.metrics_listener = None
         if self.scheduler.running:
             self.scheduler.shutdown(wait=False)
         for name, service in reversed(self._started):
@@ -397,6 +424,11 @@ class Daemon:
                               "connections": self.server.connections,
                               "in_flight": self.server.in_flight,
                               "rejected_connections": self.server.rejected_connections}
+        if self.metrics_listener is not None:
+            host, port = self.metrics_listener.address
+            out["metrics_listener"] = f"http://{host}:{port}/metrics"
+        elif self.metrics_error is not None:
+            out["metrics_listener"] = self.metrics_error
         out["scheduler"] = {"running": self.scheduler.running, "jobs": [
             {"id": j.id, "name": j.name, "next_run": j.next_run_time.isoformat()
              if j.next_run_time else None} for j in self.scheduler.get_jobs()]}
@@ -430,7 +462,19 @@ class Daemon:
         log.info("health_acknowledged", counters=seen)
         return {"acknowledged": seen, "health": assess(self.config, facts, self.acks).as_dict()}
 
-    def _health_facts(self) -> Any:
+    def scrape(self) -> Scrape | None:
+        """What `/v1/metrics` reads of the services at scrape time (None until running)."""
+        if self._phase is not Phase.RUNNING:
+            return None
+        facts = self._health_facts()
+        store = self.services.store
+        agent_on = self.services.agent is not None and self.config.agent.enabled
+        return Scrape(facts, assess(self.config, facts, self.acks),
+                      store.stats() if store is not None else None,
+                      {a.name: self.jobs.record(TICK_PREFIX + a.name)
+                       for a in self.config.agent.assets} if agent_on else {})
+
+    def _health_facts(self) -> Facts:
         running = self._phase is Phase.RUNNING
         return gather(
             self.config, self.services, started=set(self._started_names()),
@@ -439,7 +483,8 @@ class Daemon:
                 main_loop_age_s=time.monotonic() - self._last_progress if running else None,
                 main_loop_limit_s=3 * self.config.daemon.main_loop_interval_s + 5.0,
                 scheduler_running=self.scheduler.running,
-                scheduler_jobs=len(self.scheduler.get_jobs()) if self.scheduler.running else 0),
+                scheduler_jobs=len(self.scheduler.get_jobs()) if self.scheduler.running else 0,
+                metrics_error=self.metrics_error),
             jobs=self.jobs, scheduler=self.scheduler if self.scheduler.running else None,
             now=time.time())
 
@@ -471,8 +516,11 @@ class Daemon:
         return server_ok and self.scheduler.running
 
     def _on_job_event(self, event: JobEvent) -> None:
-        outcome = self.jobs.on_event(event)
+        outcome, duration = self.jobs.on_event(event)
         label = "skipped_overlap" if outcome == "skipped" else outcome
+        if duration is not None and event.job_id.startswith(TICK_PREFIX):
+            self.core_metrics.tick_seconds.labels(event.job_id[len(TICK_PREFIX):]).observe(
+                duration)
         self.core_metrics.job_runs.labels(event.job_id, label).inc()
         if outcome == "error":
             log.error("job_failed", job=event.job_id, exc_info=getattr(event, "exception", None))

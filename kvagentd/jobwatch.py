@@ -46,6 +46,11 @@ class JobRecord:
         default_factory=lambda: collections.deque(maxlen=KEEP_EVENTS))
 
 
+class JobOutcome(NamedTuple):
+    outcome: str  # ok | error | missed | skipped | other
+    duration_s: float | None  # completed runs: from due to done
+
+
 class JobWindow(NamedTuple):
     """What one job did since a moment."""
 
@@ -69,10 +74,12 @@ class JobWatch:
         self._lock = threading.Lock()
         self._jobs: dict[str, JobRecord] = {}
 
-    def on_event(self, event: Any) -> str:
-        """Record one APScheduler job event; returns its outcome (ok, error, missed, skipped)."""
+    def on_event(self, event: Any) -> JobOutcome:
+        """Record one APScheduler job event; returns its outcome (ok, error, missed, skipped)
+        and, for a completed run, its duration from due to done."""
         outcome = OUTCOMES.get(event.code, "other")
         now = self.clock()
+        duration: float | None = None
         with self._lock:
             rec = self._jobs.setdefault(event.job_id, JobRecord())
             if outcome in ("ok", "error"):
@@ -94,7 +101,7 @@ class JobWatch:
             elif outcome == "missed":
                 rec.missed += 1
                 rec.recent.append((now, outcome, None))
-        return outcome
+        return JobOutcome(outcome, duration)
 
     def record(self, job_id: str) -> JobRecord | None:
         """A copy of the totals of `job_id` (None when it never reported)."""

@@ -48,6 +48,12 @@ class CoreMetrics:
                                 "Scheduled job runs by job id and outcome (ok, error, missed, "
                                 "skipped_overlap)", ["job", "outcome"], registry=registry)
 
+        self.tick_seconds = Histogram(
+            "kvagentd_agent_tick_duration_seconds",
+            "Sensor tick duration per asset, from when it was due to when it was done",
+            ["asset"], registry=registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 120))
+
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route, method or "-", str(status)).inc()
         self.request_seconds.labels(route).observe(seconds)

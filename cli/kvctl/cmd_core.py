@@ -11,6 +11,7 @@ from kvctl.common import EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, opts,
 
 # Keys of /v1/status that the daemon itself fills; every other dict-valued key is a service.
 _CORE_KEYS = {"version", "pid", "phase", "ready", "started_at", "uptime_s", "config_path",
+              "metrics_listener",
               "host", "gpu", "gpu_reason", "control", "scheduler", "services"}
 
 
@@ -111,6 +112,8 @@ def render_status(s: dict[str, Any]) -> str:
     if ctl:
         lines.append(f"control  {ctl.get('socket')}  connections {ctl.get('connections', 0)}"
                      f"  in flight {ctl.get('in_flight', 0)}")
+    if s.get("metrics_listener"):
+        lines.append(f"metrics  {s['metrics_listener']}")
     sched = s.get("scheduler") or {}
     if sched:
         lines.append(f"jobs     {len(sched.get('jobs') or [])} scheduled"

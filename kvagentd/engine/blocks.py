@@ -119,7 +119,11 @@ class BlockManager:
         if seq.first_admitted_at is None:
             res.reused_tokens = kv.length
             res.prefill_tokens = len(ids) - kv.length
-        recomputed = (len(match.keys) - n_ok) * bt
+        # NOTE: blocks this session had stored count too when they are no longer matched (a
+        # block found LOST earlier, e.g. by a prefetch or a scrub, or evicted): their tokens
+        # are recomputed just the same, not prefilled as new ones.
+        stored = len(seq.session.block_keys) if seq.session is not None else 0
+        recomputed = (max(len(match.keys), min(stored, len(ids) // bt)) - n_ok) * bt
         if recomputed:
             res.recomputed_tokens += recomputed
             if self.on_recompute is not None:

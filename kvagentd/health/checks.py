@@ -68,6 +68,9 @@ def _daemon(f: Facts) -> Iterator[Check]:
         yield Check("main-loop", FAILING if late else OK,
                     f"last iteration {age(d.main_loop_age_s)} ago"
                     + (f" (limit {age(d.main_loop_limit_s)})" if late else ""))
+    if d.metrics_error is not None:
+        yield Check("metrics-listener", DEGRADED, f"{d.metrics_error}; metrics stay on the "
+                                                  "control socket (GET /v1/metrics)")
     if d.scheduler_running:
         yield Check("scheduler", OK, f"{d.scheduler_jobs} jobs")
     else:

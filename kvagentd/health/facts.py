@@ -81,6 +81,7 @@ class DaemonFacts:
     main_loop_limit_s: float
     scheduler_running: bool
     scheduler_jobs: int
+    metrics_error: str | None = None  # the configured metrics listener could not listen
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,6 +90,17 @@ def test_ticks_ask_restart_and_resume_from_cold(short_dir: Path) -> None:
         assert resumed["reused_tokens"] >= again["prompt_tokens"] // 16 * 16
         assert resumed["recomputed_tokens"] == 0
         assert store["tiers"]["cold"]["reads"] > 0
+        with second.client() as c:
+            metrics = c.get("/v1/metrics").text
+        for line in ('kvagentd_kv_blocks{tier="hot"}', 'kvagentd_kv_capacity_bytes{tier="warm"}',
+                     'kvagentd_cold_serving{tier="ssd"} 1.0', "kvagentd_kv_lost_blocks_total 0.0",
+                     'kvagentd_cold_checksum_failures_total{device="ssd"} 0.0',
+                     'kvagentd_health_check_status{check="service:engine"} 0.0',
+                     'kvagentd_asset_zone{asset="pump-1"}'):
+            assert line in metrics, line
+        read = [x for x in metrics.splitlines()
+                if x.startswith('kvagentd_cold_read_bytes_total{device="ssd"}')]
+        assert read and float(read[0].split()[-1]) > 0
         second.send_signal(signal.SIGTERM)
         assert second.wait(60) == 0
     finally:
