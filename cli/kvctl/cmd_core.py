@@ -207,14 +207,21 @@ def _maintenance_summary(v: dict[str, Any]) -> list[str]:
 def _agent_summary(v: dict[str, Any]) -> list[str]:
     rows = []
     for name, a in (v.get("assets") or {}).items():
+        fault = a.get("last_fault")
         rows.append({"asset": name, "zone": a.get("last_zone") or "-",
+                     "diagnosis": "-" if fault is None else
+                     fault if fault == "none" else f"{fault} ({a.get('last_severity')})",
+                     "baseline": (a.get("baseline") or {}).get("state", "-"),
+                     "withheld": f"{a.get('commentaries_withheld', 0)}/{a.get('commentaries', 0)}",
                      "assessed": render.duration(a.get("last_assessment_age_s")) + " ago"
                      if a.get("last_assessment_age_s") is not None else "-",
                      "p50": render.duration(a.get("tick_latency_p50_s")),
                      "p99": render.duration(a.get("tick_latency_p99_s")),
                      "ticks": a.get("ticks", 0), "skipped": a.get("skipped_ticks", 0),
                      "bad": a.get("bad_samples_total", 0), "session": a.get("session") or "-"})
-    table = render.table(rows, [("asset", "asset"), ("zone", "zone"), ("assessed", "assessed"),
+    table = render.table(rows, [("asset", "asset"), ("zone", "zone"), ("diagnosis", "diagnosis"),
+                                ("baseline", "baseline"), ("withheld", "withheld"),
+                                ("assessed", "assessed"),
                                 ("p50", "tick p50"), ("p99", "tick p99"), ("ticks", "ticks"),
                                 ("skipped", "skipped"), ("bad", "bad samples"),
                                 ("session", "session")])

@@ -98,6 +98,8 @@ class Diagnosis:
         fam = self.families.get(self.fault)
         if fam is not None:
             return [ln.as_dict() for ln in fam.lines]
+        if self.fault == "none":
+            return []  # `ratios` and `thresholds` say how far each line is from counting
         names = ("0.5x", "1x", "1.5x", "2x", "3x") if self.fault != "looseness" else \
             tuple(ln.name for ln in self.shaft.lines)
         return [ln.as_dict() for ln in self.shaft.lines if ln.name in names]
