@@ -45,6 +45,11 @@ def test_race_faults_are_recalled_in_most_windows(cwru, fault):
 def test_no_false_anomaly_on_the_healthy_recording(cwru):
     got = _by_class(cwru, "none")
     assert sum(got.values()) >= 2 and set(got) == {"none"}, dict(got)
+    # The healthy record is 2.5 s long: every quarter-second start, too.
+    _, rec, asset, _ = cwru["normal_load0hp_first_half.npy"]
+    dense = [r.diagnosis.fault for r in diagnose_recording(rec, asset, hop_s=0.25)
+             if r.diagnosis is not None]
+    assert len(dense) == 7 and set(dense) == {"none"}, dense
 
 
 def test_ball_fault_recordings_are_never_called_a_running_speed_fault(cwru):
