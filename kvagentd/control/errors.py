@@ -75,6 +75,14 @@ class TooLarge(ApiError):
     status, kind = 413, "too_large"
 
 
+class KVCapacity(TooLarge):
+    """The request needs more KV than the daemon can hold for one request (the message names
+    the limit, e.g. kv.hot_bytes); retrying does not help, a shorter request or a larger
+    limit does."""
+
+    kind = "kv_capacity"
+
+
 class Internal(ApiError):
     status, kind = 500, "internal"
 
@@ -102,6 +110,9 @@ _MAPPED_BY_NAME: dict[str, type[ApiError]] = {
     "kvagentd.engine.executor.QueueFull": Busy,
     # A job whose deadline passed while it waited, or that the stopping executor never ran.
     "kvagentd.engine.executor.JobNotRun": Busy,
+    # A request that does not fit the hot pool (or the batch memory) even alone.
+    "kvagentd.engine.executor.HotPoolFull": KVCapacity,
+    "kvagentd.engine.blocks.BatchMemoryExceeded": KVCapacity,
     "concurrent.futures._base.TimeoutError": Timeout,
     "builtins.TimeoutError": Timeout,
     "json.decoder.JSONDecodeError": BadRequest,

@@ -253,7 +253,10 @@ class Executor:
             if not self._running:
                 self._fail(s, HotPoolFull(
                     f"hot pool cannot provide {self.blocks.need(s).blocks} blocks for session "
-                    f"{s.session_id!r} (warm tier full too); retry later or raise kv.hot_bytes"))
+                    f"{s.session_id!r} even after dropping idle blocks: the rest is pinned or "
+                    f"this request's own (kv.hot_bytes holds "
+                    f"{self.blocks.resources().capacity_blocks} blocks); unpin blocks or raise "
+                    f"kv.hot_bytes"))
             else:
                 self._tried[id(s)] = self._room_epoch
             return

@@ -121,7 +121,8 @@ class KVStore(ABC):
     @abstractmethod
     def ensure_resident(self, keys: Sequence[BlockKey], session: str) -> Residency:
         """Bring `keys` into the hot pool (warm->hot copy, batched cold reads staged via warm)
-        and hold a use-reference on each until `release`. May demote idle blocks to make room."""
+        and hold a use-reference on each until `release`. May demote idle blocks to make room,
+        or drop idle unpinned ones for recompute where no lower tier takes them."""
 
     @abstractmethod
     def hot_arena(self) -> torch.Tensor:
@@ -130,7 +131,10 @@ class KVStore(ABC):
     @abstractmethod
     def allocate_hot(self, n: int, session: str) -> list[int] | None:
         """`n` private hot slots for blocks being computed, or None when the hot pool cannot
-        provide them even after demoting idle blocks. Held until `commit` or `release`."""
+        provide them even after demoting idle blocks and, where no lower tier takes them,
+        dropping idle unpinned blocks for recompute (counted in `stats()["dropped"]`): only
+        pinned blocks and blocks in use can stand in the way. Held until `commit` or
+        `release`."""
 
     @abstractmethod
     def commit(self, session: str, token_ids: Sequence[int], slots: Sequence[int],

@@ -1,7 +1,8 @@
 """The one executor of moves: plans from `room.py`, executed leg by leg through the `Migrator`
 (prepare under the owner lock -> copy outside it -> complete under it).
 
-`make_room` frees slots in a pool by demoting its least recently used idle blocks; `bring`
+`make_room` frees slots in a pool by demoting its least recently used idle blocks (and, for
+room a request needs now, dropping them for recompute when nothing takes them); `bring`
 moves a request's own (held) blocks up to hot in prefix order; `move` moves named idle
 blocks (placement, operators). Background promotions (prefetch) queue to one mover thread and
 never delay a foreground request for more than `BG_BATCH` blocks.
@@ -18,7 +19,7 @@ import structlog
 from kvagentd.kvcache.base import BlockKey, ColdTier, Tier
 from kvagentd.kvcache.migration import Migrator, Transfer
 from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.room import ROUNDS, Leg, PoolState, plan_moves, plan_room
+from kvagentd.kvcache.room import ROUNDS, Drop, Leg, PoolState, plan_drop, plan_moves, plan_room
 from kvagentd.kvcache.state import BlockMeta, BlockState
 from kvagentd.kvcache.table import POOL_TIERS, BlockTable
 
@@ -29,7 +30,7 @@ BG_BATCH = 8  # background promotions per cold read: bounds how long a foregroun
 
 class Mover:
     """Moves blocks between the tiers of one store. `counters` is the store's (demoted,
-    promoted, lost, prefetch_queued, prefetch_dropped, cold_copies_dropped)."""
+    promoted, lost, dropped, prefetch_queued, prefetch_dropped, cold_copies_dropped)."""
 
     def __init__(self, pools: dict[Tier, BlockPool], table: BlockTable, cold: ColdTier | None,
                  *, staged: bool, counters: dict[str, int], prefetch_queue: int = 64) -> None:
@@ -49,25 +50,77 @@ class Mover:
         """Caller holds the lock."""
         def idle(t: Tier) -> PoolState:
             return PoolState(self.pools[t].num_free,
-                             lambda n, ex: self.t.idle_victims(t, n, ex))
+                             lambda n, ex: self.t.idle_victims(t, n, ex),
+                             lambda n, ex: self.t.idle_victims(t, n, ex, copied=True))
         return {t: idle(t) for t in POOL_TIERS}
 
-    def make_room(self, tier: Tier, n: int, exclude: frozenset[BlockKey] = frozenset()) -> bool:
-        """Demote least-recently-used idle, unpinned blocks until `n` slots of `tier` are free."""
+    def make_room(self, tier: Tier, n: int, exclude: frozenset[BlockKey] = frozenset(), *,
+                  drop: bool = False) -> bool:
+        """Demote least-recently-used idle, unpinned blocks until `n` slots of `tier` are
+        free. With `drop` (room a request needs now), blocks that no lower tier takes are
+        dropped for recompute instead (`plan_drop`)."""
         for _ in range(ROUNDS):
             with self.t.cond:
-                plan = plan_room(tier, n, self._pool_states(), has_cold=self.cold is not None,
+                plan = plan_room(tier, n, self._pool_states(), has_cold=self._cold_writable(),
                                  staged=self.staged, exclude=exclude)
             if plan is None:
-                return False
+                break
             if not plan:
                 return True
             moved = self.apply(plan, make_room=False)
             self._count("demoted", sum(moved.values()))
             if not moved:
+                break
+        with self.t.cond:
+            if self.pools[tier].num_free >= n:
+                return True
+        return self._drop_for_room(tier, n, exclude) if drop else False
+
+    def _drop_for_room(self, tier: Tier, n: int, exclude: frozenset[BlockKey]) -> bool:
+        """Free `n` slots of `tier` by dropping idle blocks (see `plan_drop`)."""
+        for _ in range(ROUNDS):
+            with self.t.cond:
+                plan = plan_drop(tier, n, self._pool_states(), exclude)
+            if plan is None:
                 return False
+            if not plan:
+                return True
+            for step in plan:
+                if isinstance(step, Drop):
+                    self.drop(step)
+                else:
+                    self._count("demoted", sum(self.apply([step], make_room=False).values()))
         with self.t.cond:
             return self.pools[tier].num_free >= n
+
+    def drop(self, step: Drop) -> int:
+        """Give up the slots of the step's blocks that are still idle in its tier: those with a
+        cold copy move to the cold tier (no I/O), the others are forgotten (counted in
+        `dropped`); returns how many slots were freed."""
+        with self.t.cond:
+            todo = [m for k in step.keys if (m := self.t.meta.get(k)) is not None
+                    and m.tier is step.tier and m.users == 0 and m.pins == 0]
+            kept = [m for m in todo if m.in_cold]
+            gone = [m for m in todo if not m.in_cold]
+            stale = [m.key for m in gone if m.stale_cold]
+            for m in gone:
+                self.t.forget(m, self.pools)
+            self.counters["dropped"] += len(gone)
+            transfers = self.migrator.prepare(kept, Tier.COLD) if kept else []
+            assert transfers is not None
+            for tr in transfers:
+                self.t.touch(tr.meta)
+        n = len(gone) + (self._run(transfers) if transfers else 0)
+        if stale and self.cold is not None:
+            self.cold.delete(stale)
+        if gone:
+            log.warning("store_blocks_dropped", tier=step.tier.value, blocks=len(gone),
+                        kept_in_cold=len(kept), reason="no lower tier takes them")
+        return n
+
+    def _cold_writable(self) -> bool:
+        """The cold tier takes demotions now (not read-only for wear or an operator)."""
+        return self.cold is not None and not self.cold.read_only
 
     def bring(self, metas: list[BlockMeta], dst: Tier) -> None:
         """Move a request's held blocks up to `dst` (to warm: only cold ones), in prefix
@@ -80,7 +133,7 @@ class Mover:
             n = sum(1 for m in metas if wanted(m))
         if n == 0:
             return
-        self.make_room(dst, n)
+        self.make_room(dst, n, drop=True)
         with self.t.cond:
             where = [(m.key, m.tier) for m in metas if m.tier is not None and wanted(m)]
             where = where[:self.pools[dst].num_free]

@@ -1,6 +1,11 @@
 """Room-making and explicit moves as plans: pure functions from what the pools hold to an
 ordered list of `Leg`s; the store executes a plan leg by leg (prepare -> copy -> complete).
 
+When no lower tier takes a pool's victims (the cold tier is read-only or refuses, warm is
+full), `plan_drop` plans room by dropping the least recently used idle blocks instead
+(`Drop`): a block is the KV of its session's token ids, so its tokens are recomputed when
+next used. Pinned blocks and blocks in use are never idle, so never dropped.
+
 A leg moves blocks between two tiers in one batch. `route` is the one place that decides
 whether a move between hot and cold stages through warm (it must when the hot pool is on a
 GPU: GPU <-> SSD always goes through host memory); every plan gets its legs from it.
@@ -34,11 +39,17 @@ def route(src: Tier, dst: Tier, *, staged: bool) -> list[tuple[Tier, Tier]]:
     return [(src, dst)]
 
 
+def _nothing(_n: int, _exclude: set[BlockKey]) -> list[BlockKey]:
+    return []
+
+
 class PoolState(NamedTuple):
     """What planning needs to know of one pool."""
 
     free: int
     idle: Callable[[int, set[BlockKey]], list[BlockKey]]  # up to n LRU idle blocks, excluding
+    # up to n LRU idle blocks that have a cold copy (they can go to cold without a write)
+    copied: Callable[[int, set[BlockKey]], list[BlockKey]] = _nothing
 
 
 def plan_room(tier: Tier, need: int, pools: Mapping[Tier, PoolState], *, has_cold: bool,
@@ -73,6 +84,54 @@ def plan_room(tier: Tier, need: int, pools: Mapping[Tier, PoolState], *, has_col
     if rest and has_cold and route(Tier.HOT, Tier.COLD, staged=staged) == [(Tier.HOT, Tier.COLD)]:
         legs.append(Leg(Tier.HOT, Tier.COLD, tuple(rest)))
     return legs or None
+
+
+class Drop(NamedTuple):
+    """Give up the slots of `keys` in `tier` (idle, unpinned blocks): one with a cold copy
+    stays in the cold tier, the others are forgotten and recomputed when next used."""
+
+    tier: Tier
+    keys: tuple[BlockKey, ...]
+
+
+def plan_drop(tier: Tier, need: int, pools: Mapping[Tier, PoolState],
+              exclude: set[BlockKey] | frozenset[BlockKey] = frozenset()
+              ) -> list[Leg | Drop] | None:
+    """Steps that free `need` slots in `tier` (hot or warm) when nothing can be written below
+    it. Idle blocks with a cold copy go first (to the cold tier, without a write); then warm
+    drops its least recently used idle blocks; hot demotes its victims into warm, into room
+    made there the same way (warm holds the colder blocks), and drops the rest. `[]` when
+    there is room already; None when no idle block is left."""
+    short = need - pools[tier].free
+    if short <= 0:
+        return []
+    ex = set(exclude)
+    steps: list[Leg | Drop] = []
+    free_moves = pools[tier].copied(short, ex)
+    if free_moves:
+        steps.append(Drop(tier, tuple(free_moves)))
+        short -= len(free_moves)
+        ex.update(free_moves)
+    victims = pools[tier].idle(short, ex) if short > 0 else []
+    if not victims:
+        return steps or None
+    if tier is Tier.WARM:
+        return [*steps, Drop(Tier.WARM, tuple(victims))]
+    room = pools[Tier.WARM].free
+    if len(victims) > room:
+        want = len(victims) - room
+        below = pools[Tier.WARM].copied(want, ex)
+        below += pools[Tier.WARM].idle(want - len(below), ex | set(below)) \
+            if len(below) < want else []
+        if below:
+            steps.append(Drop(Tier.WARM, tuple(below)))
+            room += len(below)
+    n_warm = min(len(victims), room)
+    if n_warm:
+        steps.append(Leg(Tier.HOT, Tier.WARM, tuple(victims[:n_warm])))
+    if n_warm < len(victims):
+        steps.append(Drop(Tier.HOT, tuple(victims[n_warm:])))
+    return steps
 
 
 def plan_moves(where: Iterable[tuple[BlockKey, Tier]], dst: Tier, *, staged: bool) -> list[Leg]:

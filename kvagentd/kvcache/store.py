@@ -75,7 +75,7 @@ class TieredKVStore(KVStore):
         self.counters = dict(match_calls=0, matched_blocks=0, loaded_hot=0, loaded_warm=0,
                              loaded_cold=0, lost=0, demoted=0, promoted=0, dedup=0,
                              prefetch_queued=0, prefetch_dropped=0, evicted=0, relocated=0,
-                             cold_copies_dropped=0, expired=0)
+                             cold_copies_dropped=0, expired=0, dropped=0)
         self._mover = Mover(self._pools, self._t, self._cold, staged=self.device.type != "cpu",
                             counters=self.counters, prefetch_queue=prefetch_queue)
         self._mig = self._mover.migrator
@@ -185,7 +185,7 @@ class TieredKVStore(KVStore):
                 if slots is not None:
                     self._t.leases.add_private(session, slots)
                     return slots
-            if not self._mover.make_room(Tier.HOT, n):
+            if not self._mover.make_room(Tier.HOT, n, drop=True):
                 return None
         return None
 

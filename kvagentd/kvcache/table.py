@@ -78,13 +78,15 @@ class BlockTable:
         self.touch(m)
         del self.meta[m.key]
 
-    def idle_victims(self, tier: Tier, n: int, exclude: set[BlockKey]) -> list[BlockKey]:
-        """Up to `n` least recently used idle blocks of `tier`, not in `exclude`."""
+    def idle_victims(self, tier: Tier, n: int, exclude: set[BlockKey], *,
+                     copied: bool = False) -> list[BlockKey]:
+        """Up to `n` least recently used idle blocks of `tier`, not in `exclude`; with
+        `copied`, only blocks that have a cold copy."""
         out: list[BlockKey] = []
         if n <= 0:
             return out
         for k in self.idle[tier]:  # least recently used first
-            if k not in exclude:
+            if k not in exclude and (not copied or self.meta[k].in_cold):
                 out.append(k)
                 if len(out) == n:
                     break
