@@ -102,6 +102,27 @@ class ControlConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MqttConfig:
+    """How the agent's MQTT sources authenticate to brokers (`[agent.mqtt]`; the broker address
+    and topic are per asset). The password is never a configuration value: it is read from
+    `password_file` or from the systemd credential `password_credential`
+    (`$CREDENTIALS_DIRECTORY/<name>`, `LoadCredential=` in the unit)."""
+
+    username: str = ""
+    password_file: Path | None = None
+    password_credential: str = ""
+    tls: bool = False
+    ca_file: Path | None = None  # None: the system's CA store
+    cert_file: Path | None = None  # a client certificate (with key_file), for brokers that ask
+    key_file: Path | None = None
+    client_id_prefix: str = "kvagentd"
+    box_id: str = ""  # the per-box part of the client id; "": this host's name
+    qos: int = field(default=0, metadata=_rng(0, 2))
+    clean_session: bool = True
+    keepalive_s: int = field(default=30, metadata=_rng(5, 3600))
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     # none: no LLM (control + features only)
     source: Literal["embedded", "hf_dir", "gguf", "none"] = "embedded"
@@ -211,6 +232,7 @@ class AssetConfig:
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
     enabled: bool = True
+    mqtt: MqttConfig = MqttConfig()
     tick_interval_s: float = field(default=3.0, metadata=_rng(0.1, 3600.0))
     assessment_max_tokens: int = field(default=24, metadata=_rng(1, 4096))
     session_token_budget: int = field(default=1536, metadata=_rng(64, 1 << 20))
@@ -532,6 +554,29 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("executor.step_tokens", cfg.executor.step_tokens,
                           f"a number >= executor.max_batch ({cfg.executor.max_batch}): every "
                           f"running sequence decodes one token per step")
+    _check_mqtt(cfg.agent.mqtt)
+
+
+def _check_mqtt(m: MqttConfig) -> None:
+    if m.password_file is not None and m.password_credential:
+        raise ConfigError("agent.mqtt.password_credential", m.password_credential,
+                          "empty when agent.mqtt.password_file is set (one source of the password)")
+    if (m.password_file is not None or m.password_credential) and not m.username:
+        raise ConfigError("agent.mqtt.username", "", "a user name when a password is configured")
+    if (m.cert_file is None) != (m.key_file is None):
+        raise ConfigError("agent.mqtt.key_file" if m.key_file is None else "agent.mqtt.cert_file",
+                          None, "both cert_file and key_file, or neither")
+    for name in ("ca_file", "cert_file"):
+        if getattr(m, name) is not None and not m.tls:
+            raise ConfigError(f"agent.mqtt.{name}", str(getattr(m, name)),
+                              "unset unless agent.mqtt.tls = true")
+    if m.password_credential and not re.fullmatch(r"[A-Za-z0-9_.-]{1,255}", m.password_credential):
+        raise ConfigError("agent.mqtt.password_credential", m.password_credential,
+                          "a credential name (letters, digits, _ . -)")
+    for name, least in (("client_id_prefix", 1), ("box_id", 0)):
+        if not re.fullmatch(rf"[A-Za-z0-9_.-]{{{least},64}}", getattr(m, name)):
+            raise ConfigError(f"agent.mqtt.{name}", getattr(m, name),
+                              f"{least}-64 of letters, digits, _ . -")
 
 
 def config_to_dict(cfg: Any) -> Any:

@@ -194,8 +194,16 @@ def _build_agent(config: Config, ctx: BuildContext, executor: Executor | None,
         return None
     from kvagentd.agent.agent import Agent
 
-    return Agent(config.agent, executor, ctx.scheduler, Path(config.daemon.state_dir),
-                 store_stats=store.stats if store is not None else None)
+    agent = Agent(config.agent, executor, ctx.scheduler, Path(config.daemon.state_dir),
+                  store_stats=store.stats if store is not None else None)
+    if ctx.registry is not None:
+        from kvagentd.agent.broker import MqttCollector
+        from kvagentd.agent.sensors import MqttSource
+
+        ctx.registry.register(MqttCollector(lambda: {
+            name: st.source.broker for name, st in agent.assets.items()
+            if isinstance(st.source, MqttSource)}))
+    return agent
 
 
 def idle_probe(executor: Executor | None,

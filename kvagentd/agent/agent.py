@@ -86,7 +86,8 @@ class Agent:
             (a.window_s for a in config.assets), default=1.0)
         self.assets: dict[str, AssetState] = {}
         for a in config.assets:
-            src = make_source(a, start_time=start, stale_after_s=stale, clock=clock)
+            src = make_source(a, start_time=start, stale_after_s=stale, clock=clock,
+                              mqtt=config.mqtt)
             diag = Diagnoser(a, self.state_dir / "baselines" / f"{a.name}.json")
             diag.seed(self.events.minutes(a.name, start - TREND_SEED_S, start + 1.0))
             self.assets[a.name] = AssetState(a, src, diag, self._next_session_index(a.name))
@@ -348,4 +349,5 @@ class Agent:
                            for name, st in self.assets.items()},
                 "reports_running": self.reports.running(),
                 "events_db": str(self.events.path), "event_rows": self.events.count(),
-                "windows_stored": len(self.windows), "windows_bytes": self.windows.bytes}
+                "windows_stored": len(self.windows), "windows_bytes": self.windows.bytes,
+                "sources": {name: st.source.status() for name, st in self.assets.items()}}

@@ -28,13 +28,13 @@ import struct
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import structlog
 
 from kvagentd.agent.features import Window
-from kvagentd.config import AssetConfig
+from kvagentd.config import AssetConfig, MqttConfig
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +62,10 @@ class SensorSource(ABC):
 
     def stop(self) -> None:  # noqa: B027 - an optional hook
         """Close connections (default: nothing)."""
+
+    def status(self) -> dict[str, object]:
+        """The source's connection state for `/v1/status` (default: nothing to say)."""
+        return {}
 
 
 def validate(window: Window, asset: AssetConfig) -> None:
@@ -123,11 +127,16 @@ def encode_binary(samples: np.ndarray, sample_rate: float, kind: str = "accelera
 class MqttSource(SensorSource):
     """Latest window received on `asset.mqtt_topic`; older than `stale_after_s` is `stale`.
 
-    `clock` stamps arrivals (the same clock as `read_window`'s `now`). Undecodable messages are
-    counted in `decode_errors` and reported by the next read.
+    The broker connection (credentials, TLS, client id, QoS, clean session, its state) is a
+    `kvagentd.agent.broker.BrokerConnection` configured by `[agent.mqtt]`. `clock` stamps
+    arrivals (the same clock as `read_window`'s `now`). Undecodable messages are counted in
+    `decode_errors` and reported by the next read.
     """
 
-    def __init__(self, asset: AssetConfig, *, stale_after_s: float, clock=time.time) -> None:
+    def __init__(self, asset: AssetConfig, *, stale_after_s: float, clock=time.time,
+                 mqtt: MqttConfig | None = None) -> None:
+        from kvagentd.agent.broker import BrokerConnection
+
         self.asset = asset
         self.stale_after_s = stale_after_s
         self.clock = clock
@@ -136,48 +145,31 @@ class MqttSource(SensorSource):
         self._pending_error: BadData | None = None
         self.messages = 0
         self.decode_errors = 0
-        self.connects = 0
-        self._client: Any = None  # a paho-mqtt Client once started
+        self.broker = BrokerConnection(asset, mqtt or MqttConfig(), self._on_payload)
 
     def start(self) -> None:
-        import paho.mqtt.client as mqtt
-
-        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
-                             client_id=f"kvagentd-{self.asset.name}", clean_session=True)
-        client.on_connect = self._on_connect
-        client.on_message = self._on_message
-        client.on_disconnect = self._on_disconnect
-        client.reconnect_delay_set(min_delay=1, max_delay=30)
-        # connect_async + loop_start: an absent broker is retried in the background.
-        client.connect_async(self.asset.mqtt_host, self.asset.mqtt_port, keepalive=30)
-        client.loop_start()
-        self._client = client
+        self.broker.start()
 
     def stop(self) -> None:
-        if self._client is not None:
-            self._client.disconnect()
-            self._client.loop_stop()
-            self._client = None
+        self.broker.stop()
 
     @property
     def connected(self) -> bool:
-        return self._client is not None and self._client.is_connected()
+        return self.broker.connected
 
-    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
-        if reason_code.is_failure:
-            log.warning("mqtt.connect_failed", asset=self.asset.name, reason=str(reason_code))
-            return
-        self.connects += 1
-        client.subscribe(self.asset.mqtt_topic, qos=0)
-        log.info("mqtt.connected", asset=self.asset.name, topic=self.asset.mqtt_topic)
+    @property
+    def connects(self) -> int:
+        return self.broker.connects
 
-    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
-        log.warning("mqtt.disconnected", asset=self.asset.name, reason=str(reason_code))
+    def status(self) -> dict[str, object]:
+        with self._lock:
+            counts = {"messages": self.messages, "decode_errors": self.decode_errors}
+        return {**self.broker.status(), **counts}
 
-    def _on_message(self, client, userdata, msg) -> None:
+    def _on_payload(self, payload: bytes) -> None:
         now = self.clock()
         try:
-            window = decode_payload(msg.payload, now)
+            window = decode_payload(payload, now)
         except BadData as exc:
             with self._lock:
                 self.decode_errors += 1
@@ -202,7 +194,7 @@ class MqttSource(SensorSource):
 
 
 def make_source(asset: AssetConfig, *, start_time: float, stale_after_s: float,
-                clock=time.time) -> SensorSource:
+                clock=time.time, mqtt: MqttConfig | None = None) -> SensorSource:
     # NOTE: imported here: both sources build on this module's SensorSource.
     if asset.source == "simulated":
         from kvagentd.agent.simulator import SimulatedSource
@@ -212,4 +204,4 @@ def make_source(asset: AssetConfig, *, start_time: float, stale_after_s: float,
         from kvagentd.agent.replay import ReplaySource
 
         return ReplaySource(asset)
-    return MqttSource(asset, stale_after_s=stale_after_s, clock=clock)
+    return MqttSource(asset, stale_after_s=stale_after_s, clock=clock, mqtt=mqtt)

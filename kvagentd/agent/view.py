@@ -53,6 +53,9 @@ def asset_view(st: _AssetState, last_row: dict[str, Any] | None, config: AgentCo
     if isinstance(st.source, MqttSource):
         connected = st.source.connected
         link = f"mqtt {a.mqtt_host}:{a.mqtt_port} {a.mqtt_topic}"
+        if not connected:  # say why: refused (bad password), unreachable (TLS), ...
+            state = st.source.status()
+            link += f" ({state['state']}{': ' + str(state['reason']) if state['reason'] else ''})"
     features = (last_row or {}).get("features") or {}
     rms = features.get("rms_mm_s")
     return AssetView(
