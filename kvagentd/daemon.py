@@ -423,7 +423,8 @@ class Daemon:
             out["control"] = {"socket": str(self.server.path),
                               "connections": self.server.connections,
                               "in_flight": self.server.in_flight,
-                              "rejected_connections": self.server.rejected_connections}
+                              "rejected_connections": self.server.rejected_connections,
+                              "admission": self.server.admission.status()}
         if self.metrics_listener is not None:
             host, port = self.metrics_listener.address
             out["metrics_listener"] = f"http://{host}:{port}/metrics"
