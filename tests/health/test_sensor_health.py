@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from kvagentd.agent.agent import Agent
@@ -14,16 +13,14 @@ from kvagentd.agent.sensors import encode_binary
 from kvagentd.config import AssetConfig, HealthConfig
 from kvagentd.health import checks
 from tests.agent.conftest import ManualClock, agent_config
-from tests.agent.test_mqtt import MOSQUITTO, free_port, publish, start_broker, stop_broker, wait_for
+from tests.agent.mqtt_broker import Broker, free_port, wait_for
 
 
 def test_mqtt_outage_with_stale_data_is_failing(tmp_path: Path) -> None:
-    if MOSQUITTO is None:
-        pytest.fail("mosquitto is needed (make test installs it: apt-get install mosquitto)")
     port = free_port()
     asset = AssetConfig(name="m1", source="mqtt", mqtt_port=port, mqtt_topic="plant/m1",
                         sample_rate_hz=4000.0, window_s=0.5, zone_limits_mm_s=(0.01, 0.02, 0.03))
-    proc = start_broker(tmp_path, port)
+    broker = Broker(tmp_path / "broker", port=port).start()  # fails when mosquitto is missing
     clock = ManualClock()
     sched = BackgroundScheduler()
     ag = Agent(agent_config(assets=(asset,), tick_interval_s=3.0), None, sched, tmp_path,
@@ -39,14 +36,14 @@ def test_mqtt_outage_with_stale_data_is_failing(tmp_path: Path) -> None:
         v = ag.asset_views()[0]
         assert checks.sensor(v, h).level.value == "failing"  # nothing in 30 s since start
         x = np.random.default_rng(1).normal(0, 5, 2000)
-        publish(port, "plant/m1", encode_binary(x, 4000.0))
+        broker.publish("plant/m1", encode_binary(x, 4000.0))
         assert wait_for(lambda: src.messages == 1)  # type: ignore[attr-defined]
         assert ag.tick_once("m1")["zone"] in ("C", "D")
         v = ag.asset_views()[0]
         assert v.last_zone in ("C", "D") and v.last_rms_mm_s and v.last_anomaly is True
         assert checks.sensor(v, h).level.value == "ok"
 
-        stop_broker(proc)
+        broker.stop()
         assert wait_for(lambda: ag.asset_views()[0].connected is False)
         down = checks.sensor(ag.asset_views()[0], h)
         assert down.level.value == "degraded" and "disconnected" in down.reason
@@ -59,5 +56,4 @@ def test_mqtt_outage_with_stale_data_is_failing(tmp_path: Path) -> None:
         assert "stale 1" in stale.reason and "disconnected" in stale.reason
     finally:
         ag.stop()
-        if proc.poll() is None:
-            stop_broker(proc)
+        broker.stop()
