@@ -25,7 +25,7 @@ EX_CONFIG = 78
 _CLICK_USAGE = 2
 
 app = typer.Typer(name="kvagentd", help="Tiered KV-cache agent daemon.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+                  add_completion=True, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 ConfigOpt = Annotated[Path, typer.Option(
     "--config", "-c", envvar="KVAGENTD_CONFIG", show_envvar=True, dir_okay=False,
@@ -57,9 +57,12 @@ def run(config: ConfigOpt = DEFAULT_CONFIG_PATH) -> None:
     """Run the daemon in the foreground (systemd: Type=notify)."""
     cfg = _load(config)
     from kvagentd import log as logsetup
+
+    # NOTE: before the daemon's imports: libraries read their progress-bar switches then.
+    logsetup.configure(cfg.daemon.log_level, cfg.daemon.log_format,
+                       repeat_interval_s=cfg.daemon.log_repeat_interval_s)
     from kvagentd.daemon import Daemon
 
-    logsetup.configure(cfg.daemon.log_level, cfg.daemon.log_format)
     raise typer.Exit(Daemon(cfg, config.absolute()).run())
 
 

@@ -78,6 +78,8 @@ class DaemonConfig:
     log_format: Literal["auto", "json", "console"] = "auto"
     drain_timeout_s: float = field(default=10.0, metadata=_rng(0.0, 600.0))
     main_loop_interval_s: float = field(default=1.0, metadata=_rng(0.05, 60.0))
+    # The same warning again within this many seconds is counted, not written (0: all).
+    log_repeat_interval_s: float = field(default=60.0, metadata=_rng(0.0, 86400.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,7 +352,8 @@ class Config:
 
 # Settings that SIGHUP may change without a restart (field paths).
 RELOADABLE = frozenset({
-    "daemon.log_level", "agent.tick_interval_s", "agent.weekly_report_cron",
+    "daemon.log_level", "daemon.log_repeat_interval_s", "agent.tick_interval_s",
+    "agent.weekly_report_cron",
     "maintenance.defrag_interval_s", "maintenance.health_interval_s",
     "maintenance.scrub_interval_s", "placement.interval_s",
     *(f"health.{f.name}" for f in dataclasses.fields(HealthConfig)),

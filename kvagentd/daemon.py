@@ -276,6 +276,7 @@ class Daemon:
                 next_watchdog = now + wd
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
+                logsetup.flush_repeats()
                 line = self._status_line()
                 if line != self._last_status_line:
                     self.notifier.status(line)
@@ -388,6 +389,8 @@ class Daemon:
         self.config = merged
         if "daemon.log_level" in live:
             logsetup.set_level(merged.daemon.log_level)
+        if "daemon.log_repeat_interval_s" in live:
+            logsetup.set_repeat_interval(merged.daemon.log_repeat_interval_s)
         for name, service in self._started:
             try:
                 service.reload(merged)

@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -120,7 +120,8 @@ class _Translate:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, tp: type | None, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, tp: type | None, exc: BaseException | None,
+                 tb: object) -> Literal[False]:
         if exc is None:
             return False
         if isinstance(exc, httpx.TimeoutException):

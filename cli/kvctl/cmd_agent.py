@@ -9,7 +9,7 @@ import typer
 
 from kvctl import render
 from kvctl.common import (EX_FAILURE, EX_TEMPFAIL, JsonOpt, SocketOpt, TimeoutOpt, call, opts,
-                          usage_error)
+                          progress_wanted, usage_error)
 
 
 def register(app: typer.Typer) -> None:
@@ -89,11 +89,13 @@ def _run(o, body: dict[str, Any], wait: bool) -> None:
         return
     deadline = time.monotonic() + max(o.timeout, 600.0)
     doc = started
-    while time.monotonic() < deadline:
-        doc = call(o, "GET", f"/v1/reports/{started['id']}")
-        if doc.get("state") != "running":
-            break
-        time.sleep(1.0)
+    with render.Progress(f"writing report {started['id']}", progress_wanted(o)) as bar:
+        while time.monotonic() < deadline:
+            doc = call(o, "GET", f"/v1/reports/{started['id']}")
+            if doc.get("state") != "running":
+                break
+            bar.update(text=str(doc.get("phase") or ""))
+            time.sleep(1.0)
     render.emit(o, doc, _render_report)
     _exit_for_state(doc)
 
@@ -123,8 +125,9 @@ def jobs_list(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = 
     """Every scheduled job with its trigger and next run."""
     o = opts(ctx, socket, json_out, timeout)
     render.emit(o, call(o, "GET", "/v1/jobs"), lambda r: render.table(
-        r["jobs"], [("id", "id"), ("trigger", "trigger"), ("next_run", "next run"),
-                    ("paused", "paused")]))
+        [{**j, "schedule": j.get("schedule") or j.get("trigger")} for j in r["jobs"]],
+        [("id", "id"), ("schedule", "schedule"), ("next_run", "next run"),
+         ("paused", "paused")]))
 
 
 def _job_action(action: str):
@@ -136,7 +139,7 @@ def _job_action(action: str):
             usage_error(o, "a job id is required (kvctl jobs list)")
         render.emit(o, call(o, "POST", f"/v1/jobs/{job_id}/{action}"),
                     lambda r: f"{action} {r['job']['id']}: next run "
-                              f"{r['job']['next_run'] or '(paused)'}")
+                              f"{render.when(r['job']['next_run']) if r['job']['next_run'] else '(paused)'}")
     command.__doc__ = {"run": "Run a job now.", "pause": "Pause a job.",
                        "resume": "Resume a paused job."}[action]
     return command

@@ -7,7 +7,8 @@ from typing import Annotated, Any
 import typer
 
 from kvctl import render
-from kvctl.common import JsonOpt, SocketOpt, TimeoutOpt, call, opts, usage_error
+from kvctl.common import (EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, fail, opts,
+                          progress_wanted, stream, usage_error)
 
 VERIFY_TIMEOUT_S = 3600.0
 TIERS = ("hot", "warm", "cold")
@@ -60,7 +61,10 @@ def blocks(ctx: typer.Context, session: SessionOpt = None, socket: SocketOpt = N
 def _target(o: Any, session: str | None, block: str | None) -> dict[str, str]:
     if (session is None) == (block is None):
         usage_error(o, "give exactly one of --session or --block")
-    return {"session": session} if session is not None else {"block": block}
+    if session is not None:
+        return {"session": session}
+    assert block is not None
+    return {"block": block}
 
 
 def migrate(ctx: typer.Context,
@@ -71,7 +75,8 @@ def migrate(ctx: typer.Context,
     o = opts(ctx, socket, json_out, timeout)
     if to not in TIERS:
         usage_error(o, f"--to must be one of {', '.join(TIERS)}, got {to!r}")
-    data = call(o, "POST", "/v1/blocks/migrate", body={**_target(o, session, block), "to": to})
+    body: dict[str, Any] = {**_target(o, session, block), "to": to}
+    data = _with_progress(o, "/v1/blocks/migrate", body, f"moving blocks to {to}")
     render.emit(o, data, lambda d: f"moved {d['moved']} of {d['requested']} blocks to {d['to']} "
                                    f"({d['already']} already there, {d['skipped']} skipped: "
                                    f"in use, pinned or no room)")
@@ -93,12 +98,35 @@ def unpin(ctx: typer.Context, session: SessionOpt = None, block: BlockOpt = None
     render.emit(o, data, lambda d: f"unpinned {d['unpinned']} blocks")
 
 
+def _with_progress(o: Any, path: str, body: dict[str, Any], label: str) -> dict[str, Any]:
+    """POST `body`; on a terminal, streamed with a progress line (records or blocks done of
+    the total) until the result."""
+    if not progress_wanted(o):
+        return dict(call(o, "POST", path, body=body))
+    result: dict[str, Any] | None = None
+    with render.Progress(label, True) as bar:
+        for item in stream(o, "POST", path, body={**body, "stream": True}):
+            if not isinstance(item, dict):
+                continue
+            if "progress" in item:
+                p = item["progress"]
+                bar.update(done=p.get("done"), total=p.get("total"))
+            elif "error" in item:
+                bar.clear()
+                fail(o, EX_FAILURE, item["error"].get("kind", "error"),
+                     item["error"].get("message", ""))
+            elif "result" in item:
+                result = item["result"]
+    return result or {}
+
+
 def verify(ctx: typer.Context,
-           repair: Annotated[bool, typer.Option("--repair", help="drop corrupt records from the index")] = False,
+           repair: Annotated[bool, typer.Option(
+               "--repair", help="drop corrupt records from the index")] = False,
            socket: SocketOpt = None, json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
     """Scrub the cold tier now: read and checksum every record."""
     o = opts(ctx, socket, json_out, timeout if timeout is not None else VERIFY_TIMEOUT_S)
-    data = call(o, "POST", "/v1/verify", body={"repair": repair})
+    data = _with_progress(o, "/v1/verify", {"repair": repair}, "verifying cold records")
     render.emit(o, data, lambda d: (f"checked {d['checked']} records ({render.size(d['bytes'])}): "
                                     f"{d['corrupt']} corrupt, {d['missing']} missing"
                                     + (f", {d['repaired']} dropped from the index" if repair else "")))

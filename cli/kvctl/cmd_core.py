@@ -206,9 +206,13 @@ def _maintenance_summary(v: dict[str, Any]) -> list[str]:
 
 def _agent_summary(v: dict[str, Any]) -> list[str]:
     rows = []
+    interval = float(v.get("tick_interval_s") or 0.0)
     for name, a in (v.get("assets") or {}).items():
+        zone, age = a.get("last_zone") or "-", a.get("last_tick_age_s")
+        if a.get("last_zone") and age is not None and interval and age > 2 * interval:
+            zone += f" ({render.duration(age)} old)"  # the sensor stopped delivering
         fault = a.get("last_fault")
-        rows.append({"asset": name, "zone": a.get("last_zone") or "-",
+        rows.append({"asset": name, "zone": zone,
                      "diagnosis": "-" if fault is None else
                      fault if fault == "none" else f"{fault} ({a.get('last_severity')})",
                      "baseline": (a.get("baseline") or {}).get("state", "-"),
@@ -263,8 +267,14 @@ def render_config(reply: dict[str, Any]) -> str:
                    and not (isinstance(v, list) and v and isinstance(v[0], dict))}
         lines.append(f"\n[[{prefix}]]" if array else f"\n[{prefix}]")
         for k, v in scalars.items():
-            mark = "  # reloadable (SIGHUP)" if f"{prefix}.{k}" in reloadable else ""
-            lines.append(f"{k} = {_toml_value(v)}{mark}")
+            notes = []
+            if k.endswith("_bytes") and isinstance(v, int) and not isinstance(v, bool):
+                notes.append(render.size(v))
+            if f"{prefix}.{k}" in reloadable:
+                notes.append("reloadable (SIGHUP)")
+            mark = f"  # {'; '.join(notes)}" if notes else ""
+            value = f"0o{v:o}" if k.endswith("_mode") and isinstance(v, int) else _toml_value(v)
+            lines.append(f"{k} = {value}{mark}")
         for k, v in table.items():
             if isinstance(v, dict):
                 emit_table(f"{prefix}.{k}", v)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Any
 
 import typer
 
 from kvctl import render
-from kvctl.common import (EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, fail, opts, stream,
-                          stdout_is_tty)
+from kvctl.common import (EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, fail, opts,
+                          progress_wanted, stream)
 
 DEFRAG_TIMEOUT_S = 600.0
 TIERS = ("hot", "warm", "cold", "all")
@@ -28,12 +27,6 @@ def register(app: typer.Typer) -> None:
 
 # ---- defrag ----------------------------------------------------------------------------------
 
-def _bar(tier: str, done: int, total: int, width: int = 30) -> str:
-    frac = done / total if total else 1.0
-    fill = int(frac * width)
-    return f"\r{tier:<5} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} moves"
-
-
 def _frag_row(tier: str, when: str, f: dict[str, Any] | None) -> dict[str, Any]:
     f = f or {}
     return {"tier": tier, "when": when, "used": f.get("used"), "free": f.get("free"),
@@ -41,12 +34,34 @@ def _frag_row(tier: str, when: str, f: dict[str, Any] | None) -> dict[str, Any]:
             "ratio": None if f.get("ratio") is None else f"{100 * f['ratio']:.1f}%"}
 
 
+def _cold_segments(f: dict[str, Any] | None) -> str:
+    if not f:
+        return "-"
+    segs = f.get("segments")
+    n = sum(segs.values()) if isinstance(segs, dict) else segs
+    return (f"{n or 0} segments, {render.size(f.get('live_bytes'))} live, "
+            f"{render.size(f.get('dead_bytes'))} dead")
+
+
+def _cold_note(r: dict[str, Any]) -> str:
+    """The cold tier's compaction in words (segments, live and dead bytes, reclaimed)."""
+    if r.get("note"):
+        return str(r["note"])
+    before = _cold_segments(r.get("before"))
+    if r.get("dry_run") or "after" not in r:
+        return f"{before} (compaction rewrites mostly-dead segments)"
+    reclaimed = r.get("compaction")
+    got = f"reclaimed {render.size(reclaimed)}" if isinstance(reclaimed, int | float) \
+        else render.cell(reclaimed)
+    return f"{got}; before {before}; after {_cold_segments(r.get('after'))}"
+
+
 def render_defrag(data: dict[str, Any]) -> str:
     rows, notes = [], []
     for r in data.get("results", []):
         tier = r.get("tier", "?")
         if tier == "cold":
-            notes.append(f"cold: {r.get('note') or r.get('compaction') or r.get('before')}")
+            notes.append(f"cold: {_cold_note(r)}")
             continue
         rows.append(_frag_row(tier, "before", r.get("before")))
         if r.get("plan") and data.get("dry_run"):
@@ -65,8 +80,9 @@ def render_defrag(data: dict[str, Any]) -> str:
                          f"{r.get('chunks')} steps, longest pause {1000 * r.get('max_pause_s', 0):.1f} ms"
                          + (f"; {r['note']}" if r.get("note") else ""))
     out = render.table(rows, [("tier", "tier"), ("when", "when"), ("used", "used"),
-                              ("free", "free"), ("run", "largest free run"), ("ratio", "frag")])
-    return out + ("\n" + "\n".join(notes) if notes else "")
+                              ("free", "free"), ("run", "largest free run"),
+                              ("ratio", "frag")]) if rows else ""
+    return "\n".join(x for x in (out, *notes) if x)
 
 
 def defrag(ctx: typer.Context,
@@ -78,23 +94,23 @@ def defrag(ctx: typer.Context,
     if tier not in TIERS:
         fail(o, 64, "usage", f"--tier must be one of {', '.join(TIERS)}, got {tier!r}")
     body = {"tier": tier, "dry_run": dry_run}
-    if o.json or dry_run or not stdout_is_tty():
+    if dry_run or not progress_wanted(o):
         render.emit(o, call(o, "POST", "/v1/defrag", body=body), render_defrag)
         return
     result: dict[str, Any] | None = None
-    for item in stream(o, "POST", "/v1/defrag", body={**body, "stream": True}):
-        if not isinstance(item, dict):
-            continue
-        if "progress" in item:
-            p = item["progress"]
-            sys.stdout.write(_bar(p["tier"], p["done"], p["total"]))
-            sys.stdout.flush()
-        elif "error" in item:
-            sys.stdout.write("\n")
-            fail(o, EX_FAILURE, item["error"].get("kind", "error"), item["error"].get("message", ""))
-        elif "result" in item:
-            result = item["result"]
-    sys.stdout.write("\n")
+    with render.Progress("defrag", True) as bar:
+        for item in stream(o, "POST", "/v1/defrag", body={**body, "stream": True}):
+            if not isinstance(item, dict):
+                continue
+            if "progress" in item:
+                p = item["progress"]
+                bar.update(text=f"{p['tier']} moves", done=p["done"], total=p["total"])
+            elif "error" in item:
+                bar.clear()
+                fail(o, EX_FAILURE, item["error"].get("kind", "error"),
+                     item["error"].get("message", ""))
+            elif "result" in item:
+                result = item["result"]
     render.emit(o, result or {}, render_defrag)
 
 
@@ -130,14 +146,11 @@ def tune(ctx: typer.Context,
 # ---- failover --------------------------------------------------------------------------------
 
 def render_failover(d: dict[str, Any]) -> str:
-    import time
-
     since = d.get("since")
-    ago = f" ({time.time() - since:.0f} s ago)" if isinstance(since, int | float) else ""
     cap = d.get("shadow_capacity_bytes")
     fill = d.get("shadow_fill")
     lines = [f"cold tier served by: {d.get('serving')}",
-             f"since:               {render.cell(since)}{ago}",
+             f"since:               {render.when(since)}",
              f"reason:              {d.get('reason', '-')}",
              f"shadow:              {d.get('shadow_blocks', 0)} blocks, "
              f"{render.size(d.get('shadow_bytes'))} of {render.size(cap)}"

@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import typer
 
 from kvctl import render
-from kvctl.common import (EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, fail, opts, stream,
-                          usage_error)
+from kvctl.common import (EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, fail, opts,
+                          progress_wanted, stream, usage_error)
 
 ASK_TIMEOUT_S = 300.0
 
@@ -69,19 +69,25 @@ def ask(ctx: typer.Context,
         body["session"] = fork_as
     route = f"/v1/sessions/{sid}/fork" if fork else f"/v1/sessions/{sid}/ask"
     final: dict[str, Any] | None = None
-    for item in stream(o, "POST", route, body=body):
-        if not isinstance(item, dict):
-            continue
-        if "error" in item:
-            err = item["error"]
-            fail(o, EX_FAILURE, str(err.get("kind", "error")), str(err.get("message", err)))
-        if "forked_from" in item and not o.json:
-            typer.echo(f"[asking in {item['session']}, forked from {item['forked_from']}]",
-                       err=True)
-        if "text" in item and not o.json:
-            typer.echo(item["text"], nl=False)
-        if item.get("done"):
-            final = item.get("result")
+    # Until the first token: queued behind ticks, then the prompt's prefill (a long one on a
+    # cold session) -- say so on a terminal instead of sitting silent.
+    with render.Progress("waiting for the first token", progress_wanted(o)) as waiting:
+        for item in stream(o, "POST", route, body=body):
+            if not isinstance(item, dict):
+                continue
+            if "text" in item or "error" in item or item.get("done"):
+                waiting.clear()
+            if "error" in item:
+                err = item["error"]
+                fail(o, EX_FAILURE, str(err.get("kind", "error")),
+                     str(err.get("message", err)))
+            if "forked_from" in item and not o.json:
+                typer.echo(f"[asking in {item['session']}, forked from {item['forked_from']}]",
+                           err=True)
+            if "text" in item and not o.json:
+                typer.echo(item["text"], nl=False)
+            if item.get("done"):
+                final = item.get("result")
     if o.json:
         typer.echo(json.dumps(final, indent=2, sort_keys=True))
         return

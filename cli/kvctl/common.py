@@ -140,3 +140,8 @@ def usage_error(o: Opts, message: str) -> NoReturn:
 
 def stdout_is_tty() -> bool:
     return sys.stdout.isatty()
+
+
+def progress_wanted(o: Opts) -> bool:
+    """Progress lines go to stderr, and only on a terminal and without --json."""
+    return not o.json and sys.stderr.isatty()

@@ -23,7 +23,7 @@ def _installed_version() -> str:
         return "unknown"
 
 
-app = typer.Typer(name="kvctl", help=__doc__, no_args_is_help=True, add_completion=False,
+app = typer.Typer(name="kvctl", help=__doc__, no_args_is_help=True, add_completion=True,
                   pretty_exceptions_enable=False, rich_markup_mode=None)
 
 _CLICK_USAGE = 2

@@ -13,6 +13,7 @@ from typing import Any
 
 from apscheduler.jobstores.base import JobLookupError
 from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
 
 from kvagentd import cron
 
@@ -43,8 +44,24 @@ def weekly_trigger(text: str) -> CronTrigger:
 def job_info(job: Any) -> dict[str, Any]:
     nrt = job.next_run_time
     return {"id": job.id, "name": job.name, "trigger": str(job.trigger),
+            "schedule": schedule_text(job.trigger),
             "next_run": nrt.isoformat() if nrt else None, "paused": nrt is None,
             "max_instances": job.max_instances, "coalesce": job.coalesce}
+
+
+def schedule_text(trigger: Any) -> str:
+    """A trigger as a person reads it: "every 3 s", "every 2 h", "cron 0 6 * * mon"."""
+    if isinstance(trigger, IntervalTrigger):
+        s = trigger.interval.total_seconds()
+        for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+            if s >= size and s % size == 0:
+                return f"every {s / size:g} {unit}"
+        return f"every {s:g} s"
+    if isinstance(trigger, CronTrigger):
+        by_name = {f.name: str(f) for f in trigger.fields}
+        return "cron " + " ".join(by_name.get(n, "*") for n in
+                                  ("minute", "hour", "day", "month", "day_of_week"))
+    return str(trigger)
 
 
 def list_jobs(scheduler: Any) -> list[dict[str, Any]]:

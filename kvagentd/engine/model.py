@@ -24,6 +24,7 @@ import structlog
 import torch
 import xxhash
 
+from kvagentd import log as logsetup
 from kvagentd.config import ModelConfig
 from kvagentd.kvcache.base import KVGeometry
 
@@ -97,6 +98,8 @@ def load_model(cfg: ModelConfig, cache_dir: Path) -> LoadedModel:
         raise ValueError("model.source = 'none': no model to load")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # transformers' records through the daemon's log; no progress bars inside JSON logs.
+    logsetup.route_library_logs(progress_bars=logsetup.progress_bars_wanted())
     t0 = time.perf_counter()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -178,23 +178,28 @@ def _cold(f: Facts, h: HealthConfig, acks: Acknowledgements) -> Iterator[Check]:
             yield Check("cold-tier", OK, "serving from the SSD")
         else:
             what = "restoring to the SSD" if c.serving == "restoring" else "serving from the shadow"
-            yield Check("cold-tier", DEGRADED, f"{what} ({c.reason})")
-        yield Check("read-only", DEGRADED if c.read_only else OK,
-                    "the SSD takes no new cold records (wear limit or a read-only file system); "
-                    "blocks that do not fit warm are dropped and recomputed" if c.read_only
-                    else "the SSD takes new cold records")
+            deferred = f"; restore deferred: {c.restore_deferred}" if c.restore_deferred else ""
+            yield Check("cold-tier", DEGRADED, f"{what} ({c.reason}){deferred}")
+        if c.read_only:
+            why = (f"the SSD directory could not be written: {c.ssd_unwritable}"
+                   if c.ssd_unwritable else "wear limit or a read-only file system")
+            yield Check("read-only", DEGRADED, f"the SSD takes no new cold records ({why}); "
+                                               "blocks that do not fit warm are dropped and "
+                                               "recomputed")
+        else:
+            yield Check("read-only", OK, "the SSD takes new cold records")
         yield shadow_fill(c.shadow_bytes, c.shadow_capacity_bytes, h)
         counters = f.counters()
         n = acks.since("checksum-failures", counters["checksum-failures"])
         yield _counted("checksum-failures", n, acks,
                        "cold records failed their checksum; their blocks were recomputed")
-        why = [f"{dev}: {w}" for dev, w in c.index_discarded.items() if w]
+        discarded = [f"{dev}: {w}" for dev, w in c.index_discarded.items() if w]
         if acks.since("cold-index", counters["cold-index"]):
             yield Check("cold-index", DEGRADED, "set aside at start, its records were "
-                        "discarded: " + "; ".join(why), ackable=True)
+                        "discarded: " + "; ".join(discarded), ackable=True)
         else:
-            yield Check("cold-index", OK, "acknowledged: " + "; ".join(why) if why
-                        else "opened cleanly", ackable=bool(why))
+            yield Check("cold-index", OK, "acknowledged: " + "; ".join(discarded) if discarded
+                        else "opened cleanly", ackable=bool(discarded))
     if f.lost_blocks is not None:
         n = acks.since("lost-blocks", f.lost_blocks)
         yield _counted("lost-blocks", n, acks,

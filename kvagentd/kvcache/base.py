@@ -314,10 +314,12 @@ class ColdTier(Protocol):
 
     def load_refs(self) -> dict[str, list[BlockKey]]: ...
 
-    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
+    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None,
+               progress: VerifyProgress | None = None) -> dict[str, int]:
         """Read and check every record now (the scrub): checked, corrupt, missing, repaired,
         bytes, moved (records compaction moved during the pass, checked where they went).
-        `repair` forgets the bad ones, never a record that was moved meanwhile."""
+        `repair` forgets the bad ones, never a record that was moved meanwhile. `progress`
+        hears how far the pass is, from time to time."""
         ...
 
     def compact(self, min_dead_ratio: float = 0.5) -> int:
@@ -330,6 +332,9 @@ class ColdTier(Protocol):
 
     def close(self) -> None: ...
 
+
+VerifyProgress = Callable[[int, int], None]
+"""`progress(done, total)`: records read so far by a scrub, of how many."""
 
 ColdTierFactory = Callable[[ColdListener], ColdTier]
 """Builds a cold tier that reports to the given listener (the store passes itself)."""

@@ -34,7 +34,7 @@ import torch
 
 from kvagentd.kvcache import keys as keymod
 from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdTier, ColdTierFactory, KVGeometry,
-                                   KVStore, MatchResult, Residency, Tier)
+                                   KVStore, MatchResult, Residency, Tier, VerifyProgress)
 from kvagentd.kvcache.mover import Mover
 from kvagentd.kvcache.persist import load_table, persist_blocks
 from kvagentd.kvcache.pool import BlockPool
@@ -464,14 +464,16 @@ class TieredKVStore(KVStore):
         with self._cond:
             self._t.check_integrity(self._pools)
 
-    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
+    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None,
+               progress: VerifyProgress | None = None) -> dict[str, int]:
         """Scrub the cold tier now (see `ColdTier.verify`). With `repair`, records dropped
         from the cold index are forgotten here too: a block that lived only there becomes
         LOST (its tokens are recomputed on next use)."""
         if self._cold is None:
             return {"checked": 0, "corrupt": 0, "missing": 0, "repaired": 0, "bytes": 0, "moved": 0}
         before = set(self._cold.keys()) if repair else set()
-        report = self._cold.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s)
+        report = self._cold.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s,
+                                   progress=progress)
         if repair:
             gone = before - set(self._cold.keys())
             with self._cond:

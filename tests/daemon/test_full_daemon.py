@@ -7,6 +7,7 @@ the cold tier: its prompt is matched, not recomputed.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -35,6 +36,13 @@ name = "pump-1"
 seed = 3''')
     path.write_text(text)
     return path
+
+
+def _is_json(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def _ask(p: DaemonProcess, session: str, question: str) -> dict[str, Any]:
@@ -76,6 +84,10 @@ def test_ticks_ask_restart_and_resume_from_cold(short_dir: Path) -> None:
         first.send_signal(signal.SIGTERM)
         assert first.wait(60) == 0
         assert not first.socket.exists()
+        # log_format = "json": stdout and stderr together are JSON lines only (no progress
+        # bars of the model loader, no library lines of their own)
+        not_json = [x for x in first.output().splitlines() if x.strip() and not _is_json(x)]
+        assert not not_json, not_json[:3]
     finally:
         first.stop()
 

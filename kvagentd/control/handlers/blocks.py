@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvagentd.control.errors import BadRequest, NotFound, require_service
+from kvagentd.control.progress import stream_work
 from kvagentd.control.router import Request, Router
 from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.keys import parse_key
 
+MIGRATE_CHUNK = 64  # blocks moved per step of a migration (a progress line each)
 
 
 def register(router: Router, daemon: Any) -> None:
@@ -62,7 +64,9 @@ def register(router: Router, daemon: Any) -> None:
         return out
 
     @router.route("POST", "/v1/blocks/migrate", change=True)
-    def migrate(req: Request) -> dict[str, Any]:
+    def migrate(req: Request) -> Any:
+        """{"session"|"block", "to", "stream"?}; streamed: {"progress": {done, total}} lines
+        (blocks handled), then {"result": ...}."""
         body = req.json_object()
         to = body.get("to")
         try:
@@ -71,10 +75,21 @@ def register(router: Router, daemon: Any) -> None:
             raise BadRequest(f"'to' must be one of hot, warm, cold; got {to!r}") from None
         s = store()
         keys = target_keys(s, body)
+        if body.get("stream", False) is True:
+            return stream_work("migrate", lambda report: _migrate(s, keys, tier, report))
+        return _migrate(s, keys, tier, None)
+
+    def _migrate(s: Any, keys: list[bytes], tier: Tier, report: Any) -> dict[str, Any]:
         where = {b.key: b.tier for b in s.snapshot()}
-        up = [k for k in keys if where.get(k) is not None and tier.above(where[k])]
-        down = [k for k in keys if where.get(k) is not None and where[k].above(tier)]
-        moved = (s.promote(up, tier) if up else 0) + (s.demote(down, tier) if down else 0)
+        moved = 0
+        for i in range(0, len(keys), MIGRATE_CHUNK):
+            chunk = keys[i:i + MIGRATE_CHUNK]
+            up = [k for k in chunk if where.get(k) is not None and tier.above(where[k])]
+            down = [k for k in chunk if where.get(k) is not None and where[k].above(tier)]
+            moved += (s.promote(up, tier) if up else 0) + (s.demote(down, tier) if down else 0)
+            if report is not None:
+                report({"done": min(len(keys), i + MIGRATE_CHUNK), "total": len(keys),
+                        "moved": moved})
         already = sum(1 for k in keys if where.get(k) is tier)
         return {"to": tier.value, "requested": len(keys), "moved": moved, "already": already,
                 "skipped": len(keys) - moved - already}
@@ -94,9 +109,16 @@ def register(router: Router, daemon: Any) -> None:
         return {"unpinned": len(keys)}
 
     @router.route("POST", "/v1/verify", change=True)
-    def verify(req: Request) -> dict[str, Any]:
+    def verify(req: Request) -> Any:
+        """{"repair"?, "stream"?}; streamed: {"progress": {done, total}} lines (records read),
+        then {"result": ...}."""
         body = req.json_object()
         repair = body.get("repair", False)
         if not isinstance(repair, bool):
             raise BadRequest("'repair' must be true or false")
-        return store().verify(repair=repair)
+        s = store()
+        if body.get("stream", False) is True:
+            return stream_work("verify", lambda report: s.verify(
+                repair=repair, progress=lambda done, total: report({"done": done,
+                                                                    "total": total})))
+        return s.verify(repair=repair)

@@ -7,15 +7,13 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 from typing import Any
 from collections.abc import Iterator
 
 import structlog
 
-from kvagentd.control.errors import (BadRequest, Busy, Forbidden, Internal, require_service,
-                                      to_api_error)
+from kvagentd.control.errors import BadRequest, Busy, Forbidden, Internal, require_service
+from kvagentd.control.progress import stream_work
 from kvagentd.control.router import Request, Router
 
 log = structlog.get_logger(__name__)
@@ -101,25 +99,11 @@ def _run_defrag(m: Any, tier: str, dry_run: bool, progress: Any) -> dict[str, An
 
 def _stream_defrag(m: Any, tier: str, dry_run: bool) -> Iterator[dict[str, Any]]:
     """NDJSON: {"progress": {tier, done, total}} lines, then {"result": ...} (or {"error": ...})."""
-    q: queue.Queue[dict[str, Any]] = queue.Queue()
 
-    def progress(t: str, done: int, total: int) -> None:
-        q.put({"progress": {"tier": t, "done": done, "total": total}})
+    def work(report: Any) -> dict[str, Any]:
+        def progress(t: str, done: int, total: int) -> None:
+            report({"tier": t, "done": done, "total": total})
 
-    def work() -> None:
-        try:
-            q.put({"result": _run_defrag(m, tier, dry_run, progress)})
-        except Exception as exc:  # noqa: BLE001 - the stream must end with the error
-            log.exception("defrag_request_failed")
-            q.put(to_api_error(exc).body())
+        return _run_defrag(m, tier, dry_run, progress)
 
-    threading.Thread(target=work, name="defrag-request", daemon=True).start()
-
-    def gen() -> Iterator[dict[str, Any]]:
-        while True:
-            item = q.get()
-            yield item
-            if "result" in item or "error" in item:
-                return
-
-    return gen()
+    return stream_work("defrag", work)

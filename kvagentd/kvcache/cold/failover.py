@@ -44,7 +44,8 @@ from typing import Any, NamedTuple
 import structlog
 import torch
 
-from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdEntry, ColdListener, KVGeometry
+from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdEntry, ColdListener, KVGeometry,
+                                   VerifyProgress)
 from kvagentd.kvcache.cold import failback
 from kvagentd.kvcache.cold.causes import Cause
 from kvagentd.kvcache.cold.failback import PROBE_NAME, FailoverError, RestoreDeferred
@@ -301,11 +302,25 @@ class FailoverColdStore:
     def evict(self, keys: Sequence[BlockKey]) -> int:
         return self.delete(keys)
 
-    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
-        """Checksum-verify the records of both stores (the scrub); counts summed."""
-        a = self.shadow.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s)
+    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None,
+               progress: VerifyProgress | None = None) -> dict[str, int]:
+        """Checksum-verify the records of both stores (the scrub); counts summed, progress
+        over both (the shadow first)."""
+        on_shadow = on_ssd = None
+        if progress is not None:
+            report = progress
+            n_shadow, n_ssd = self.shadow.index.count(), self.primary.index.count()
+
+            def on_shadow(done: int, total: int) -> None:
+                report(done, total + n_ssd)
+
+            def on_ssd(done: int, total: int) -> None:
+                report(n_shadow + done, n_shadow + total)
+        a = self.shadow.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s,
+                               progress=on_shadow)
         try:
-            b = self.primary.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s)
+            b = self.primary.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s,
+                                    progress=on_ssd)
         except OSError as exc:
             self.activate(f"verify failed on the SSD: {exc.strerror or exc}")
             b = {}

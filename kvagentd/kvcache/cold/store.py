@@ -30,7 +30,8 @@ from typing import Any
 import structlog
 import torch
 
-from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdEntry, ColdListener, KVGeometry, Tier
+from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdEntry, ColdListener, KVGeometry, Tier,
+                                   VerifyProgress)
 from kvagentd.kvcache.codec import CODECS
 from kvagentd.kvcache.cold.causes import Cause, cause_of
 from kvagentd.kvcache.cold.index import ColdIndex
@@ -390,14 +391,15 @@ class ColdStore:
                 self.reserve.ensure()
         return reclaimed
 
-    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None) -> dict[str, int]:
+    def verify(self, repair: bool = False, rate_bytes_per_s: float | None = None,
+               progress: VerifyProgress | None = None) -> dict[str, int]:
         """Scrub: read and check every record of this namespace (see `Upkeep.verify`).
         `missing`: its segment file is absent or short; `corrupt`: checksum / header mismatch
         or I/O error; `moved`: records compaction moved during the pass, checked again where
         they went (a moved, valid record is neither reported nor repaired). `repair` drops
         the bad ones from the index, each only while its row still points where it was found
         bad. Rate-limited when asked."""
-        return self.upkeep.verify(repair, rate_bytes_per_s)
+        return self.upkeep.verify(repair, rate_bytes_per_s, progress)
 
     def stats(self) -> dict[str, Any]:
         n = self.index.count()

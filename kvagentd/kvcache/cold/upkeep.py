@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import structlog
 
+from kvagentd.kvcache.base import VerifyProgress
 from kvagentd.kvcache.cold.index import ColdIndex
 from kvagentd.kvcache.cold.reader import SegmentReader
 from kvagentd.kvcache.cold.record import RecordRow
@@ -24,6 +25,8 @@ from kvagentd.kvcache.cold.segments import SegmentFiles
 from kvagentd.kvcache.cold.writer import SegmentWriter
 
 log = structlog.get_logger(__name__)
+
+PROGRESS_EVERY = 64  # records between two progress reports of a scrub
 
 
 class Upkeep:
@@ -86,12 +89,17 @@ class Upkeep:
         return True
 
     # -- the scrub -----------------------------------------------------------------------------
-    def verify(self, repair: bool, rate_bytes_per_s: float | None) -> dict[str, int]:
-        """Read and check every record of the namespace; see the module docstring."""
+    def verify(self, repair: bool, rate_bytes_per_s: float | None,
+               progress: VerifyProgress | None = None) -> dict[str, int]:
+        """Read and check every record of the namespace; see the module docstring.
+        `progress(done, total)` hears how many records were read, every `PROGRESS_EVERY`."""
         checked = nbytes = rechecked = 0
         bad: dict[bytes, tuple[RecordRow, str]] = {}
         t0 = time.monotonic()
-        for r in self.index.segment_rows(None):
+        rows = self.index.segment_rows(None)
+        for i, r in enumerate(rows):
+            if progress is not None and i % PROGRESS_EVERY == 0:
+                progress(i, len(rows))
             verdict = self._check_row(r)
             checked += verdict != "missing_file"
             if verdict != "ok":
@@ -123,6 +131,8 @@ class Upkeep:
             except sqlite3.Error as exc:
                 self.index.failed("verify", exc)
         self.counters["corrupt"] += corrupt
+        if progress is not None:
+            progress(len(rows), len(rows))
         return {"checked": checked, "corrupt": corrupt, "missing": missing, "repaired": repaired,
                 "bytes": nbytes, "moved": rechecked}
 
