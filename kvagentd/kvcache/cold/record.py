@@ -72,8 +72,19 @@ def pack_header(buf: Buffer, off: int, key: BlockKey, namespace: bytes, geometry
     return csum
 
 
-def check_record(buf: Buffer, off: int, row: RecordRow, namespace: bytes, geometry: KVGeometry,
-                 codec_for: Callable[[int], Codec], payload: memoryview | None = None) -> int | str:
+def header_row(buf: Buffer | bytes, key: BlockKey) -> RecordRow | None:
+    """The row a record's own header describes, for a record kept without an index row (the
+    remote tier: one record per value); None when `buf` is too short to hold a header. Every
+    field is then checked by `check_record` as for an indexed record."""
+    if len(buf) < ALIGN:
+        return None
+    h = _HDR.unpack_from(buf, 0)
+    return RecordRow(key, -1, 0, len(buf), h[13], h[14])
+
+
+def check_record(buf: Buffer | bytes, off: int, row: RecordRow, namespace: bytes,
+                 geometry: KVGeometry, codec_for: Callable[[int], Codec],
+                 payload: memoryview | None = None) -> int | str:
     """The codec id of the record at `buf[off:]` after every check, or why it failed.
     `payload`: where the payload was read to, when not right after the header in `buf`."""
     mv = memoryview(buf)

@@ -316,6 +316,14 @@ class ColdStore:
     def contains(self, key: BlockKey) -> bool:
         return self.index.contains(key)
 
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """0: every record of this box's cold tier is listed by its owner at start."""
+        return 0
+
+    def offer(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor], *,
+              session: str = "") -> None:
+        """Nothing: blocks reach this tier when the store demotes or persists them."""
+
     def keys(self) -> list[BlockKey]:
         return self.index.keys()
 
