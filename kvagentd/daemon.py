@@ -145,6 +145,10 @@ class Daemon:
         return self.services.agent
 
     @property
+    def remote(self) -> Any:
+        return self.services.remote
+
+    @property
     def executor(self) -> Any:
         return self.services.executor
 
@@ -207,7 +211,8 @@ class Daemon:
         self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
         self.notifier.status("building services")
         self.services = self._build(cfg, BuildContext(self.scheduler, self.metrics,
-                                                      on_phase=self._on_build_phase))
+                                                      on_phase=self._on_build_phase,
+                                                      health=self.health))
         for name, service in self.services.in_order():
             if self._stop_reason is not None:
                 log.info("startup_interrupted", reason=self._stop_reason, before=name)

@@ -10,6 +10,8 @@ What is built where it applies (None otherwise):
 - `model` unless `model.source = "none"`; then the `store` over its cold tier (`cold`: the SSD
   store behind its /dev/shm shadow), `placement` and the `engine`;
 - `maintenance` where there are KV tiers to maintain;
+- with `[remote]` (and a model): the remote tier below the cold tier, and the `remote` service
+  (session hand-over, fleet heartbeat) whose guard the engine's session table asks;
 - the `agent` when `agent.enabled`.
 
 Heavy imports (torch, transformers) happen inside the builders, so a daemon without a model
@@ -18,13 +20,15 @@ starts without loading them.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from kvagentd.config import Config, DebugConfig
+from kvagentd.config import Config, ConfigError, DebugConfig
 
 if TYPE_CHECKING:
     import torch
@@ -35,14 +39,17 @@ if TYPE_CHECKING:
     from kvagentd.engine.executor import Executor
     from kvagentd.engine.model import LoadedModel
     from kvagentd.engine.service import Engine
+    from kvagentd.fleet.handover import AssetGate, SessionHandover
+    from kvagentd.fleet.service import FleetService
     from kvagentd.kvcache.base import KVGeometry
     from kvagentd.kvcache.cold import ColdTierSpec, FailoverColdStore, FaultPlan
     from kvagentd.kvcache.fileio import FileOps
     from kvagentd.kvcache.placement import PlacementService
+    from kvagentd.kvcache.remote import ClientFactory, RemoteSpec, RemoteStore
     from kvagentd.kvcache.store import AccessListener, TieredKVStore
     from kvagentd.maintenance.service import Maintenance
 
-SERVICE_ORDER = ("store", "placement", "engine", "maintenance", "agent")
+SERVICE_ORDER = ("store", "placement", "engine", "maintenance", "remote", "agent")
 """Start order; services stop in reverse."""
 
 
@@ -78,13 +85,14 @@ class Services:
     placement: PlacementService | None = None
     engine: Engine | None = None
     maintenance: Maintenance | None = None
+    remote: FleetService | None = None
     agent: Agent | None = None
 
     def in_order(self) -> list[tuple[str, Service]]:
         """The present services in start order."""
         present: list[tuple[str, Service | None]] = [
             ("store", self.store), ("placement", self.placement), ("engine", self.engine),
-            ("maintenance", self.maintenance), ("agent", self.agent)]
+            ("maintenance", self.maintenance), ("remote", self.remote), ("agent", self.agent)]
         return [(n, s) for n, s in present if s is not None]
 
     @property
@@ -100,6 +108,8 @@ class BuildContext:
     registry: CollectorRegistry | None = None
     on_phase: Callable[[str], None] = field(default=lambda _text: None)
     """Told before a slow phase ("loading model"): the daemon extends its start timeout."""
+    health: Callable[[], dict[str, Any]] | None = None
+    """The daemon's health report (the fleet heartbeat publishes its summary)."""
 
 
 class Tiers(NamedTuple):
@@ -133,21 +143,94 @@ def cold_tier_spec(config: Config) -> ColdTierSpec:
                         faults=fault_plan(config.debug), fault_seed=config.debug.fault_seed)
 
 
+def box_id(config: Config) -> str:
+    """This box's name in the fleet: `remote.box_id`, else the host name."""
+    return config.remote.box_id or socket.gethostname()
+
+
+def remote_password(config: Config, env: Mapping[str, str] | None = None) -> str | None:
+    """The remote store's password from `remote.password_file` or the systemd credential
+    `remote.password_credential` ($CREDENTIALS_DIRECTORY/<name>); None without either.
+    Raises ConfigError naming the field when it cannot be read."""
+    r = config.remote
+    env = os.environ if env is None else env
+    if r.password_file is not None:
+        path, field_name = Path(r.password_file), "remote.password_file"
+    elif r.password_credential:
+        creds = env.get("CREDENTIALS_DIRECTORY")
+        if not creds:
+            raise ConfigError("remote.password_credential", r.password_credential,
+                              "the name of a credential the unit passes (LoadCredential=); "
+                              "$CREDENTIALS_DIRECTORY is not set")
+        path, field_name = Path(creds) / r.password_credential, "remote.password_credential"
+    else:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(field_name, str(path), f"a readable file holding the password ({exc})"
+                          ) from None
+    password = text.rstrip("\r\n")
+    if not password:
+        raise ConfigError(field_name, str(path), "a file holding a non-empty password")
+    return password
+
+
+def remote_spec(config: Config, env: Mapping[str, str] | None = None) -> RemoteSpec | None:
+    """The `[remote]` section as the remote tier uses it; None while `remote.url` is ""."""
+    from kvagentd.kvcache.remote import RemoteSpec
+
+    r = config.remote
+    if not r.url:
+        return None
+    try:
+        import redis  # noqa: F401 - the client library is an optional dependency
+    except ImportError:
+        raise ConfigError("remote.url", r.url, "a remote store only with the redis client "
+                          "installed: pip install 'kvagentd[remote]'") from None
+    return RemoteSpec(url=r.url, cluster=r.cluster, username=r.username,
+                      password=remote_password(config, env), tls_ca_file=r.tls_ca_file,
+                      tls_cert_file=r.tls_cert_file, tls_key_file=r.tls_key_file,
+                      client_name=f"kvagentd-{box_id(config)}", key_prefix=r.key_prefix,
+                      ttl_s=r.ttl_s, read_timeout_s=r.read_timeout_s,
+                      write_timeout_s=r.write_timeout_s,
+                      write_rate_bytes_per_s=int(r.write_rate_bytes_per_s),
+                      write_queue_bytes=int(r.write_queue_bytes), retry_max_s=r.retry_max_s)
+
+
+def build_remote(config: Config, geometry: KVGeometry, namespace: bytes,
+                 factory: ClientFactory | None = None) -> RemoteStore | None:
+    """The remote store of `[remote]` for this namespace (None while `remote.url` is "");
+    `factory` builds its redis-py clients."""
+    from kvagentd.kvcache.remote import RemoteStore, make_client
+
+    rspec = remote_spec(config)
+    if rspec is None:
+        return None
+    return RemoteStore(rspec, geometry, namespace, codec=config.kv.cold_codec,
+                       factory=factory or make_client)
+
+
 def build_tiers(config: Config, geometry: KVGeometry, namespace: bytes,
                 device: str | torch.device = "cpu", *,
                 access_listener: AccessListener | None = None,
-                file_io: FileOps | None = None) -> Tiers:
-    """The tiered store over its failover cold tier, as the daemon runs it."""
-    from kvagentd.kvcache.base import ColdListener
+                file_io: FileOps | None = None,
+                remote: RemoteStore | None = None) -> Tiers:
+    """The tiered store over its failover cold tier, as the daemon runs it; with `[remote]`,
+    the remote store (`remote`, or one built here) below the cold tier."""
+    from kvagentd.kvcache.base import ColdListener, ColdTier
     from kvagentd.kvcache.cold import build_cold_tier
+    from kvagentd.kvcache.remote import RemoteColdTier
     from kvagentd.kvcache.store import TieredKVStore
 
     spec = cold_tier_spec(config)
+    if remote is None:
+        remote = build_remote(config, geometry, namespace)
     built: list[FailoverColdStore] = []
 
-    def cold(listener: ColdListener) -> FailoverColdStore:
+    def cold(listener: ColdListener) -> ColdTier:
         built.append(build_cold_tier(spec, geometry, namespace, listener, file_io=file_io))
-        return built[-1]
+        return built[-1] if remote is None else RemoteColdTier(built[-1], remote)
 
     store = TieredKVStore(geometry, namespace, hot_bytes=int(config.kv.hot_bytes),
                           warm_bytes=config.warm_bytes, cold=cold, device=device,
@@ -175,27 +258,35 @@ def build_services(config: Config, ctx: BuildContext) -> Services:
     geometry = model_geometry(model.model, config.kv.block_tokens, model.dtype)
     namespace = make_namespace(model.fingerprint, model.dtype, config.kv.block_tokens)
     feed = AccessFeed()  # the store reports accesses to it, placement drains it
-    tiers = build_tiers(config, geometry, namespace, model.device, access_listener=feed.record)
+    remote = build_remote(config, geometry, namespace)
+    tiers = build_tiers(config, geometry, namespace, model.device, access_listener=feed.record,
+                        remote=remote)
     placement = PlacementService(tiers.store, feed, config.placement, config.kv, ctx.scheduler,
                                  summary_path=state_dir / "heat-summary.json",
                                  registry=ctx.registry)
+    handover = gate = None
+    if remote is not None:
+        handover, gate = _build_handover(config, remote)
     engine = Engine(model, tiers.store, state_dir=state_dir, executor_config=config.executor,
-                    registry=ctx.registry)
+                    registry=ctx.registry, session_guard=handover)
     maintenance = Maintenance(config, tiers.store, tiers.cold, ctx.scheduler,
                               is_idle=idle_probe(engine.executor, ctx.scheduler))
+    agent = _build_agent(config, ctx, engine.executor, tiers.store, gate)
+    fleet = None
+    if remote is not None and handover is not None and gate is not None:
+        fleet = _build_fleet(config, ctx, remote, handover, gate, engine, agent)
     return Services(model=model, store=tiers.store, cold=tiers.cold, placement=placement,
-                    engine=engine, maintenance=maintenance,
-                    agent=_build_agent(config, ctx, engine.executor, tiers.store))
+                    engine=engine, maintenance=maintenance, remote=fleet, agent=agent)
 
 
 def _build_agent(config: Config, ctx: BuildContext, executor: Executor | None,
-                 store: TieredKVStore | None) -> Agent | None:
+                 store: TieredKVStore | None, gate: AssetGate | None = None) -> Agent | None:
     if not config.agent.enabled:
         return None
     from kvagentd.agent.agent import Agent
 
     agent = Agent(config.agent, executor, ctx.scheduler, Path(config.daemon.state_dir),
-                  store_stats=store.stats if store is not None else None)
+                  store_stats=store.stats if store is not None else None, llm_gate=gate)
     if ctx.registry is not None:
         from kvagentd.agent.broker import MqttCollector
         from kvagentd.agent.sensors import MqttSource
@@ -204,6 +295,50 @@ def _build_agent(config: Config, ctx: BuildContext, executor: Executor | None,
             name: st.source.broker for name, st in agent.assets.items()
             if isinstance(st.source, MqttSource)}))
     return agent
+
+
+# -- the fleet (with `[remote]`) ---------------------------------------------------------------
+
+def asset_of(config: Config) -> Callable[[str], str | None]:
+    """`session id -> asset` for the agent's sessions (`<asset>-<n>`) of configured assets."""
+    import re
+
+    names = [a.name for a in config.agent.assets]
+    pattern = re.compile("(?P<asset>" + "|".join(re.escape(n) for n in names) + r")-\d+") \
+        if names else None
+
+    def of(session: str) -> str | None:
+        m = pattern.fullmatch(session) if pattern is not None else None
+        return m.group("asset") if m else None
+
+    return of
+
+
+def _build_handover(config: Config, remote: RemoteStore) -> tuple[SessionHandover, AssetGate]:
+    from kvagentd.fleet.handover import AssetGate, SessionHandover
+    from kvagentd.fleet.leases import LeaseBook
+
+    gate = AssetGate()
+    handover = SessionHandover(remote, LeaseBook(Path(config.daemon.state_dir)), box_id(config),
+                               policy=config.remote.publish_sessions, asset_of=asset_of(config),
+                               gate=gate)
+    return handover, gate
+
+
+def _build_fleet(config: Config, ctx: BuildContext, remote: RemoteStore,
+                 handover: SessionHandover, gate: AssetGate, engine: Engine,
+                 agent: Agent | None) -> FleetService:
+    from kvagentd.fleet import metrics
+    from kvagentd.fleet.heartbeat import Heartbeat
+    from kvagentd.fleet.service import FleetService
+
+    heartbeat = Heartbeat(remote, handover.box, config.remote.heartbeat_interval_s)
+    llm_assets = tuple(a.name for a in config.agent.assets if a.llm) if agent is not None else ()
+    fleet = FleetService(remote, handover.leases, handover, heartbeat, gate, engine=engine,
+                         scheduler=ctx.scheduler, assets=llm_assets, agent=agent,
+                         health=ctx.health)
+    metrics.register(ctx.registry, fleet.status)
+    return fleet
 
 
 def idle_probe(executor: Executor | None,

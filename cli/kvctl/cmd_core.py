@@ -232,9 +232,20 @@ def _agent_summary(v: dict[str, Any]) -> list[str]:
     return ["agent:", table]
 
 
+def _remote_summary(v: dict[str, Any]) -> list[str]:
+    link, wb = v.get("link") or {}, v.get("write_behind") or {}
+    reads, ses = v.get("reads") or {}, v.get("sessions") or {}
+    return [f"remote   {link.get('state', '?')}  {link.get('url', '?')}  queued "
+            f"{render.size(wb.get('queued_bytes'))}  written {wb.get('written', 0)}  dropped "
+            f"{wb.get('dropped', 0)}  reads hit {reads.get('remote_hits', 0)} / corrupt "
+            f"{reads.get('remote_corrupt', 0)}",
+            f"         box {ses.get('box', '?')}  sessions held {ses.get('held', 0)}, handed over "
+            f"{ses.get('fenced_sessions', 0)}"]
+
+
 _SUMMARIES = {"store": _store_summary, "engine": _engine_summary,
               "placement": _placement_summary, "maintenance": _maintenance_summary,
-              "agent": _agent_summary}
+              "remote": _remote_summary, "agent": _agent_summary}
 
 
 def render_health(h: dict[str, Any]) -> str:

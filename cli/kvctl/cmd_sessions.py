@@ -1,4 +1,4 @@
-"""kvctl ask [--fork] | sessions [show ID [--transcript] | drop ID]."""
+"""kvctl ask [--fork] | sessions [show ID [--transcript] | drop ID | adopt ID [--force]]."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def register(app: typer.Typer) -> None:
     sessions_app.callback()(sessions_list)
     sessions_app.command("show")(sessions_show)
     sessions_app.command("drop")(sessions_drop)
+    sessions_app.command("adopt")(sessions_adopt)
     app.add_typer(sessions_app, name="sessions")
 
 
@@ -146,6 +147,30 @@ def sessions_drop(ctx: typer.Context,
     o = opts(ctx, socket, json_out, timeout)
     render.emit(o, call(o, "DELETE", f"/v1/sessions/{session}"),
                 lambda d: f"dropped session {d['dropped']}")
+
+
+def sessions_adopt(ctx: typer.Context,
+                   session: Annotated[str, typer.Argument(help="session id")],
+                   force: Annotated[bool, typer.Option(
+                       "--force", help="take it even from a box that is alive (that box stops "
+                                       "writing it)")] = False,
+                   socket: SocketOpt = None, json_out: JsonOpt = False,
+                   timeout: TimeoutOpt = None) -> None:
+    """Take a session over from the box that holds it, through the remote store; it resumes
+    here without recompute, and the other box never writes it again (operators)."""
+    o = opts(ctx, socket, json_out, timeout)
+    render.emit(o, call(o, "POST", f"/v1/sessions/{session}/adopt", body={"force": force}),
+                _adopted)
+
+
+def _adopted(d: dict[str, Any]) -> str:
+    src = d.get("from_box") or "?"
+    line = (f"adopted session {d['session']} from box {src} (epoch {d.get('epoch')}): "
+            f"{d.get('tokens', 0)} tokens, {d.get('blocks_found', 0)} of {d.get('blocks', 0)} "
+            "blocks in the remote tier")
+    if d.get("asset"):
+        line += f"; the agent continues asset {d['asset']} in it"
+    return line
 
 
 def render_sessions(data: dict[str, Any]) -> str:

@@ -73,7 +73,8 @@ def exit_code_for(status: int, kind: str) -> int:
         return EX_CONFIG
     if status == 403 or kind == "forbidden":
         return EX_NOPERM
-    if kind == "conflict":  # e.g. a session id that is taken: retrying cannot help
+    if kind in ("conflict", "session_fenced", "held_alive", "bad_manifest"):
+        # e.g. a session id that is taken, or held by another box: retrying cannot help
         return EX_FAILURE
     if status in (409, 503, 504, 408) or kind in ("busy", "not_ready", "overloaded", "timeout"):
         return EX_TEMPFAIL

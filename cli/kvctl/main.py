@@ -11,7 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import typer
 
-from kvctl import cmd_agent, cmd_blocks, cmd_core, cmd_maintenance, cmd_sessions, cmd_trace
+from kvctl import (cmd_agent, cmd_blocks, cmd_core, cmd_fleet, cmd_maintenance, cmd_sessions,
+                   cmd_trace)
 from kvctl.common import (DEFAULT_SOCKET, DEFAULT_TIMEOUT_S, EX_USAGE, JsonOpt, Opts, SocketOpt,
                           TimeoutOpt)
 
@@ -29,7 +30,8 @@ app = typer.Typer(name="kvctl", help=__doc__, no_args_is_help=True, add_completi
 _CLICK_USAGE = 2
 
 # Command modules; each has register(app).
-COMMAND_MODULES = (cmd_core, cmd_sessions, cmd_blocks, cmd_trace, cmd_agent, cmd_maintenance)
+COMMAND_MODULES = (cmd_core, cmd_sessions, cmd_blocks, cmd_trace, cmd_agent, cmd_maintenance,
+                   cmd_fleet)
 
 
 def _version(value: bool) -> None:

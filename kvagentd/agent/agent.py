@@ -20,8 +20,10 @@ highest session recorded in the event log.
 `ask(asset, question)` answers an operator's question about an asset with its latest diagnosis
 as context; the answer is checked like a tick's commentary.
 
-The LLM step is skipped for assets with `llm = false` and for every asset when there is no
-executor (`model.source = "none"`): ticks then only diagnose.
+The LLM step is skipped for assets with `llm = false`, for every asset when there is no
+executor (`model.source = "none"`), and while `llm_gate(asset)` names another box that writes
+the asset's sessions now (the asset was handed over through the remote store): ticks then only
+diagnose. A session handed over from another box continues here after `resume_session`.
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ class Agent:
 
     def __init__(self, config: AgentConfig, executor: Executor | None, scheduler: Any,
                  state_dir: Path, clock: Callable[[], float] = time.time,
-                 store_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+                 store_stats: Callable[[], dict[str, Any]] | None = None,
+                 llm_gate: Callable[[str], str | None] | None = None) -> None:
         self.config = config
+        self.llm_gate = llm_gate
         self.model = ModelClient(executor, config) if executor is not None else None
         self.scheduler = scheduler
         self.state_dir = Path(state_dir)
@@ -242,7 +246,11 @@ class Agent:
                 f", pass {window.passes + 1}: the recording has wrapped around"
                 if window.passes else "")
         st.last_zone, st.last_t, st.last_diagnosis = diagnosis.zone, now, d
-        use_llm = a.llm and self.model is not None
+        held_by = self.llm_gate(a.name) if self.llm_gate is not None else None
+        if held_by is not None:
+            note = f"{note}; " if note else ""
+            note += f"llm: the asset's sessions are written by box {held_by}"
+        use_llm = a.llm and self.model is not None and held_by is None
         turn = self._next_turn(st, now, prompts.observation(now, d)) if use_llm else None
         eid = self.events.append(t=now, asset=a.name, features=features, zone=diagnosis.zone,
                                  anomaly=diagnosis.anomaly, session=turn[0] if turn else None,
@@ -331,6 +339,19 @@ class Agent:
                 with st.lock:  # waits for a tick in flight on this session
                     st.force_rollover = True
 
+    def resume_session(self, asset: str, session: str, tokens: int) -> None:
+        """Continue `session` (`<asset>-<n>`, handed over from another box, `tokens` long) with
+        the next tick of `asset`, instead of the session this box would write next."""
+        st = self.assets[asset]
+        m = _SESSION_RE.match(session)
+        if m is None or m.group("asset") != asset:
+            raise ValueError(f"session {session!r} is not a session of asset {asset!r}")
+        with st.lock:
+            st.session_index = int(m.group("n"))
+            st.session_tokens, st.turn_tokens = int(tokens), 0
+            st.force_rollover = False
+        log.info("agent.session_resumed", asset=asset, session=session, tokens=tokens)
+
     def _next_session_index(self, asset: str) -> int:
         best = int(self.events.get_meta(f"session:{asset}") or 0)
         for s in self.events.sessions(asset):
@@ -345,7 +366,8 @@ class Agent:
         now = self.clock()
         return {"enabled": self.config.enabled, "running": self._running,
                 "tick_interval_s": self.config.tick_interval_s,
-                "assets": {name: st.status(now, st.asset.llm and self.model is not None)
+                "assets": {name: {**st.status(now, st.asset.llm and self.model is not None),
+                                  "llm_held_by": self.llm_gate(name) if self.llm_gate else None}
                            for name, st in self.assets.items()},
                 "reports_running": self.reports.running(),
                 "events_db": str(self.events.path), "event_rows": self.events.count(),

@@ -67,6 +67,12 @@ class Conflict(ApiError):
     status, kind = 409, "conflict"
 
 
+class Fenced(Conflict):
+    """The session was handed over to another box; this box no longer writes it."""
+
+    kind = "session_fenced"
+
+
 class LengthRequired(ApiError):
     status, kind = 411, "length_required"
 
@@ -113,6 +119,7 @@ _MAPPED_BY_NAME: dict[str, type[ApiError]] = {
     # A request that does not fit the hot pool (or the batch memory) even alone.
     "kvagentd.engine.executor.HotPoolFull": KVCapacity,
     "kvagentd.engine.blocks.BatchMemoryExceeded": KVCapacity,
+    "kvagentd.engine.sessions.SessionFenced": Fenced,
     "concurrent.futures._base.TimeoutError": Timeout,
     "builtins.TimeoutError": Timeout,
     "json.decoder.JSONDecodeError": BadRequest,

@@ -238,7 +238,9 @@ class Executor:
             busy.add(s.session_id)
             if not s.prepared:
                 try:
-                    s.prepare(self.sessions.get(s.session_id) or Session(s.session_id), self.chat)
+                    session = self.sessions.get(s.session_id) or Session(s.session_id)
+                    self.sessions.check_writable(session)  # handed over: SessionFenced
+                    s.prepare(session, self.chat)
                 except Exception as exc:  # noqa: BLE001 - bad input fails its job only
                     self._fail(s, exc)
 

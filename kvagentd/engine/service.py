@@ -32,7 +32,7 @@ from kvagentd.engine.metrics import EngineMetrics
 from kvagentd.engine.model import LoadedModel
 from kvagentd.engine.runner import ModelRunner
 from kvagentd.engine.sequence import GenerationResult
-from kvagentd.engine.sessions import ChatFormat, Session, SessionStore
+from kvagentd.engine.sessions import ChatFormat, Session, SessionGuard, SessionStore
 from kvagentd.kvcache.base import KVStore, Tier
 
 log = structlog.get_logger(__name__)
@@ -139,11 +139,12 @@ class Engine:
     """Service: `start()` starts the model worker, `stop()` drains it; `status()` for /v1/status."""
 
     def __init__(self, loaded: LoadedModel, store: KVStore, *, state_dir: Path,
-                 executor_config: ExecutorConfig | None = None, registry: Any = None) -> None:
+                 executor_config: ExecutorConfig | None = None, registry: Any = None,
+                 session_guard: SessionGuard | None = None) -> None:
         self.loaded = loaded
         self.store = store
         self.metrics = EngineMetrics(registry)
-        self.table = SessionStore(Path(state_dir))
+        self.table = SessionStore(Path(state_dir), guard=session_guard)
         self.chat = ChatFormat(loaded.tokenizer)
         cfg = executor_config or ExecutorConfig()
         device = store.hot_arena().device

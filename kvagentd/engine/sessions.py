@@ -3,6 +3,10 @@
 History is never re-templated or re-tokenized: a request chat-templates only its new turn and
 appends those ids. A new session starts with the chat-templated system prompt, identical for
 equal prompts, so its full blocks are shared between sessions.
+
+A `SessionGuard` (the fleet's session hand-over, when a remote store is configured) is asked
+before a turn writes a session (`check_writable`: another box may hold it now) and told of
+every save (to publish it).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 KEY_BYTES = 16
@@ -54,6 +58,32 @@ class Session:
                 "owner_uid": self.owner}
 
 
+class SessionFenced(RuntimeError):
+    """Another box holds this session now (it was handed over): this box must not write it."""
+
+
+class SessionGuard(Protocol):
+    """What the session table asks of the fleet before and after a session is written."""
+
+    def check_writable(self, session: Session) -> None:
+        """Raise `SessionFenced` when this box may no longer write `session` (a bounded,
+        fast check; a remote that cannot be asked does not block the write)."""
+        ...
+
+    def saved(self, session: Session) -> None:
+        """`session` was saved: publish it. Never waits for I/O, never raises."""
+        ...
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as the session table (and a published session) stores them: uint32."""
+    return _pack_ids(ids)
+
+
+def unpack_ids(blob: bytes) -> list[int]:
+    return _unpack_ids(blob)
+
+
 def _pack_ids(ids: Sequence[int]) -> bytes:
     a = array("I", ids)
     if a.itemsize != 4:  # pragma: no cover - every platform kvagentd runs on has 4-byte "I"
@@ -74,7 +104,8 @@ class SessionStore:
     later saves never change it.
     """
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, guard: SessionGuard | None = None) -> None:
+        self.guard = guard
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(state_dir) / "sessions.sqlite3"
         self._lock = threading.Lock()
@@ -100,6 +131,11 @@ class SessionStore:
                 "ON CONFLICT(id) DO NOTHING", self._values(s))
             return cur.rowcount == 1
 
+    def check_writable(self, s: Session) -> None:
+        """Raise `SessionFenced` when another box holds `s` now (see `SessionGuard`)."""
+        if self.guard is not None:
+            self.guard.check_writable(s)
+
     def save(self, s: Session) -> None:
         with self._lock:
             self._db.execute(
@@ -107,6 +143,16 @@ class SessionStore:
                 "ON CONFLICT(id) DO UPDATE SET "
                 "token_ids = excluded.token_ids, block_keys = excluded.block_keys, "
                 "last_used = excluded.last_used, turns = excluded.turns", self._values(s))
+        if self.guard is not None:
+            self.guard.saved(s)
+
+    def replace(self, s: Session) -> None:
+        """Store `s` whole (its owner included), replacing a session of the same id: a
+        session handed over from another box. The guard is not told (it published it)."""
+        with self._lock:
+            self._db.execute(
+                f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                self._values(s))
 
     def list(self) -> list[Session]:
         with self._lock:

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 # Scheduler job ids -> the service that owns them (a failing job puts its service in error).
-JOB_OWNERS = (("agent.", "agent"), ("maintenance.", "maintenance"), ("placement", "placement"))
+JOB_OWNERS = (("agent.", "agent"), ("maintenance.", "maintenance"), ("placement", "placement"),
+              ("remote.", "remote"))
 TICK_PREFIX = "agent.tick."
 T = TypeVar("T")
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvagentd.control.handlers import agent, blocks, core, maintenance, placement, sessions
+from kvagentd.control.handlers import (agent, blocks, core, fleet, maintenance, placement,
+                                       sessions)
 from kvagentd.control.router import Router
 
-MODULES = (core, blocks, placement, sessions, agent, maintenance)
+MODULES = (core, blocks, placement, sessions, agent, maintenance, fleet)
 
 
 def register_all(router: Router, daemon: Any) -> None:
