@@ -3,10 +3,13 @@
 Every session this box publishes (`remote.publish_sessions`: the daemon's own by default) is
 written after each turn as a *manifest* (a hash: token ids, block keys, turns, owner, the
 holder box and its fencing token `epoch`) behind the blocks it names, in the same write-behind
-queue. Another box with the same model adopts a session (`adopt`): one script raises the epoch
-and names the new holder, atomically; from then on the manifest accepts writes only from that
-box with that epoch (the PUBLISH script compares both), so the former holder can never write
-it again, even when it comes back after a crash not knowing it lost it. This box learns that it
+queue; the TTL of those blocks is renewed with it (blocks the remote lost meanwhile are
+counted, `blocks_missing`).
+
+Another box with the same model adopts a session (`adopt`): one script raises the epoch and
+names the new holder, atomically. From then on the manifest accepts writes only from that box
+with that epoch (the PUBLISH script compares both), so the former holder never writes it
+again, even when it comes back after a crash not knowing it lost it. This box learns that it
 was fenced (and never writes the session locally again) when a write is refused, or earlier,
 when a turn is about to start (`check_writable` asks the remote who holds the session).
 
@@ -158,14 +161,14 @@ class SessionHandover:
         self.gate = gate
         self._lock = threading.Lock()
         self.counters = dict(published=0, fenced=0, publish_failed=0, refused_turns=0,
-                             adopted=0)
+                             adopted=0, blocks_missing=0)
 
     def publishes(self, s: Session) -> bool:
         return self.policy == "all" or (self.policy == "daemon" and s.owner is None)
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self.counters[name] += 1
+            self.counters[name] += n
 
     # -- SessionGuard ----------------------------------------------------------------------
     def check_writable(self, session: Session) -> None:
@@ -209,8 +212,18 @@ class SessionHandover:
         res = client.register_script(PUBLISH)(
             keys=[self.remote.names.session(s.id)],
             args=[self.box, epoch, ttl, *_fields(s, self.remote.namespace, asset)])
-        if int(res[0]) == 1 and asset:
-            client.set(self.remote.names.asset(asset), s.id, ex=ttl)
+        if int(res[0]) != 1:
+            return res
+        # the session's blocks live as long as it does (shared ones were written long ago)
+        pipe = client.pipeline(transaction=False)
+        for k in s.block_keys:
+            pipe.expire(self.remote.names.block(k), ttl)
+        if asset:
+            pipe.set(self.remote.names.asset(asset), s.id, ex=ttl)
+        kept = pipe.execute()[:len(s.block_keys)]
+        missing = sum(1 for x in kept if not x)
+        if missing:
+            self._count("blocks_missing", missing)
         return res
 
     def _published(self, sid: str, reply: Reply[Any]) -> None:

@@ -70,6 +70,13 @@ def test_after_adoption_the_first_box_cannot_write_the_session(fdir: Path,
         stale = a.engine.table.get(SID)
         assert stale is not None
         assert a.fleet.leases.get(SID).epoch == 1
+        with redis.client() as r:  # the session's blocks live as long as it does
+            names = [a.fleet.remote.names.block(k) for k in stale.block_keys]
+            assert names and all(r.ttl(n) > 0 for n in names)
+            r.delete(names[0])  # lost by the remote (evicted): counted at the next publish
+        a.fleet.handover.saved(stale)
+        a.flush()
+        assert a.fleet.handover.status()["blocks_missing"] == 1
 
         got = b.fleet.adopt(SID, force=True, uid=None)  # A is alive: an operator forces it
         assert got["epoch"] == 2
