@@ -150,6 +150,11 @@ class KVConfig:
     o_direct: bool = True
     persist_on_shutdown: bool = True
     io_threads: int = field(default=2, metadata=_rng(1, 64))
+    # committed hot and warm blocks are written to the cold tier every interval (0 = only at
+    # a graceful stop), so a power cut loses at most that interval of KV; at most this rate
+    write_behind_interval_s: float = field(default=30.0, metadata=_rng(0.0, 86400.0))
+    write_behind_rate_bytes_per_s: ByteSize = field(default=ByteSize(64 << 20),
+                                                    metadata=_rng(1 << 20, None))
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from kvagentd.kvcache.placement import PlacementService
     from kvagentd.kvcache.remote import ClientFactory, RemoteSpec, RemoteStore
     from kvagentd.kvcache.store import AccessListener, TieredKVStore
+    from kvagentd.kvcache.writebehind import WriteBehindPolicy
     from kvagentd.maintenance.service import Maintenance
 
 SERVICE_ORDER = ("store", "placement", "engine", "maintenance", "remote", "agent")
@@ -235,8 +236,17 @@ def build_tiers(config: Config, geometry: KVGeometry, namespace: bytes,
     store = TieredKVStore(geometry, namespace, hot_bytes=int(config.kv.hot_bytes),
                           warm_bytes=config.warm_bytes, cold=cold, device=device,
                           access_listener=access_listener,
-                          persist_on_shutdown=config.kv.persist_on_shutdown)
+                          persist_on_shutdown=config.kv.persist_on_shutdown,
+                          write_behind=write_behind_policy(config))
     return Tiers(store, built[0])
+
+
+def write_behind_policy(config: Config) -> WriteBehindPolicy:
+    """`kv.write_behind_*` as the store's write-behind policy."""
+    from kvagentd.kvcache.writebehind import WriteBehindPolicy
+
+    return WriteBehindPolicy(interval_s=config.kv.write_behind_interval_s,
+                             rate_bytes_per_s=int(config.kv.write_behind_rate_bytes_per_s))
 
 
 # -- everything --------------------------------------------------------------------------------

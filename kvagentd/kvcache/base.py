@@ -323,7 +323,8 @@ class ColdTier(Protocol):
         ...
 
     def save_refs(self, refs: dict[str, Iterable[BlockKey]]) -> None:
-        """Replace the stored session -> keys map."""
+        """Replace the stored session -> keys map, and make what the tier stored so far
+        durable (records and their index rows survive a power cut once this returns)."""
         ...
 
     def load_refs(self) -> dict[str, list[BlockKey]]: ...

@@ -195,23 +195,13 @@ class Mover:
                 self.t.touch(tr.meta)
                 if tr.meta.recheck_cold:
                     tr.meta.recheck_cold = False
-                    self.drop_cold_copy(tr.meta)
+                    self.counters["cold_copies_dropped"] += self.t.drop_cold_copy(tr.meta)
             self.counters["lost"] += len(lost)
         if lost and self.cold is not None:
             with self.t.cond:  # unreadable records go; a block revived meanwhile keeps its own
                 gone = [m.key for m in lost if m.state is BlockState.LOST]
             self.cold.delete(gone)
         return sum(ok)
-
-    def drop_cold_copy(self, m: BlockMeta) -> int:
-        """Caller holds the lock. A resident block's cold copy is no longer relied on (its
-        record is still deleted when the block is forgotten)."""
-        if not m.in_cold or m.state in (BlockState.COLD, BlockState.LOST):
-            return 0
-        m.in_cold = False
-        m.stale_cold = True
-        self.counters["cold_copies_dropped"] += 1
-        return 1
 
     # -- background promotions -----------------------------------------------------------------
     def enqueue(self, keys: Sequence[BlockKey], tier: Tier) -> int:

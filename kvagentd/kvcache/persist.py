@@ -21,6 +21,7 @@ from kvagentd.kvcache.table import POOL_TIERS, BlockTable
 log = structlog.get_logger(__name__)
 
 PERSIST_HOLDER = "\x00persist"  # holder of the use-references taken while persisting
+SCAN_CHUNK = 2048  # blocks looked at per hold of the owner lock by whole-table scans
 
 
 def load_table(table: BlockTable, cold: ColdTier) -> None:
@@ -71,12 +72,21 @@ def persist_blocks(table: BlockTable, pools: dict[Tier, BlockPool], cold: ColdTi
                         written += 1
     finally:
         release(PERSIST_HOLDER)
-    with table.cond:
-        refs: dict[str, list[BlockKey]] = {}
-        for m in table.meta.values():
-            if m.in_cold:
-                for s in m.sessions:
-                    refs.setdefault(s, []).append(m.key)
-    cold.save_refs(dict(refs))
+    cold.save_refs({s: list(ks) for s, ks in collect_refs(table).items()})
     log.info("store_persisted", written=written, of=len(todo))
     return written
+
+
+def collect_refs(table: BlockTable) -> dict[str, tuple[BlockKey, ...]]:
+    """Session -> keys of its blocks that have a cold copy. The owner lock is taken per
+    chunk of blocks, so a large table never holds it long."""
+    with table.cond:
+        metas = list(table.meta.values())
+    refs: dict[str, list[BlockKey]] = {}
+    for i in range(0, len(metas), SCAN_CHUNK):
+        with table.cond:
+            for m in metas[i:i + SCAN_CHUNK]:
+                if m.in_cold:
+                    for s in m.sessions:
+                        refs.setdefault(s, []).append(m.key)
+    return {s: tuple(ks) for s, ks in refs.items()}

@@ -13,17 +13,21 @@ use is never moved, demoted or evicted by anyone else.
 Moves are plans (`room.py`): making room in a tier, and moving named blocks, are computed as
 ordered legs and executed by one executor (`mover.py`), leg by leg.
 
-Cold failover: when the cold tier starts writing to a stand-in device because the SSD failed,
-`cold_failed_over()` makes hot and warm blocks forget their SSD copy, so demoting them writes
-them again (to the stand-in) instead of relying on a copy that may be unreadable.
+The cold tier talks to the store through `cold_link` (`coldlink.py`): which records must stay
+(pinned, in use), which were evicted, and failovers: when the cold tier starts writing to a
+stand-in device because the SSD failed, hot and warm blocks forget their SSD copy, so
+demoting them writes them again (to the stand-in) instead of relying on a copy that may be
+unreadable.
 
 Shared cold tier: a cold tier shared with other boxes (the remote tier) is asked on a miss
 past the blocks this store lists (`ColdTier.lookup`); what it holds becomes COLD blocks here.
 Freshly computed blocks are offered to it at `commit` (`ColdTier.offer`).
 
-Persistence: `close()` writes hot and warm blocks that sessions reference to the cold tier
-and saves the session -> keys map; a new store over the same cold directory rebuilds its
-block table from the cold tier's entries, so `match_prefix` finds those blocks after a restart.
+Persistence: the write-behind (`writebehind.py`, when configured) writes committed hot and
+warm blocks to the cold tier every interval and saves the session -> keys map, so a power
+cut loses at most that interval of KV; `close()` writes the rest and saves the map. A new
+store over the same cold directory rebuilds its block table from the cold tier's entries,
+so `match_prefix` finds those blocks after a restart.
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ import torch
 from kvagentd.kvcache import keys as keymod
 from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdTier, ColdTierFactory, KVGeometry,
                                    KVStore, MatchResult, Residency, Tier, VerifyProgress)
+from kvagentd.kvcache.coldlink import ColdLink
 from kvagentd.kvcache.mover import Mover
 from kvagentd.kvcache.persist import load_table, persist_blocks
 from kvagentd.kvcache.pool import BlockPool
 from kvagentd.kvcache.room import ROUNDS
 from kvagentd.kvcache.state import STATE_TIER, BlockMeta, BlockState, transition
 from kvagentd.kvcache.table import POOL_TIERS, BlockTable
+from kvagentd.kvcache.writebehind import WriteBehind, WriteBehindPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -53,13 +59,14 @@ AccessListener = Callable[[list[BlockKey], str], None]
 
 class TieredKVStore(KVStore):
     """Block store over a hot pool (`device`), a warm pool (host memory, pinned with CUDA)
-    and an optional cold tier, built by `cold(listener)` with this store as its listener.
+    and an optional cold tier, built by `cold(listener)` with the store's `cold_link` as its
+    listener.
     Pools are allocated once here and never grow."""
 
     def __init__(self, geometry: KVGeometry, namespace: bytes, *, hot_bytes: int, warm_bytes: int,
                  cold: ColdTierFactory | None = None, device: str | torch.device = "cpu",
                  access_listener: AccessListener | None = None, persist_on_shutdown: bool = True,
-                 prefetch_queue: int = 64) -> None:
+                 prefetch_queue: int = 64, write_behind: WriteBehindPolicy | None = None) -> None:
         self.geometry = geometry
         self.namespace = namespace
         self.device = torch.device(device)
@@ -72,19 +79,24 @@ class TieredKVStore(KVStore):
         }
         self._t = BlockTable()
         self._cond = self._t.cond
-        self._cold: ColdTier | None = cold(self) if cold is not None else None
-        if self._cold is not None and self._cold.namespace != namespace:
-            self._cold.close()
-            raise ValueError("the cold tier was opened for another namespace")
         self.counters = dict(match_calls=0, matched_blocks=0, loaded_hot=0, loaded_warm=0,
                              loaded_cold=0, lost=0, demoted=0, promoted=0, dedup=0,
                              prefetch_queued=0, prefetch_dropped=0, evicted=0, relocated=0,
                              cold_copies_dropped=0, expired=0, dropped=0,
                              shared_found=0)
+        self.cold_link = ColdLink(self._t, self._pools, self.counters)
+        self._cold: ColdTier | None = cold(self.cold_link) if cold is not None else None
+        if self._cold is not None and self._cold.namespace != namespace:
+            self._cold.close()
+            raise ValueError("the cold tier was opened for another namespace")
         self._mover = Mover(self._pools, self._t, self._cold, staged=self.device.type != "cpu",
                             counters=self.counters, prefetch_queue=prefetch_queue)
         self._mig = self._mover.migrator
         self._closed = False
+        self._wb = (WriteBehind(self._t, self._pools, self._cold, write_behind,
+                                epoch=lambda: self.cold_link.epoch)
+                    if self._cold is not None and write_behind is not None
+                    and write_behind.enabled else None)
         if self._cold is not None:
             load_table(self._t, self._cold)
 
@@ -94,9 +106,16 @@ class TieredKVStore(KVStore):
         return self._cold
 
     # -- service -----------------------------------------------------------------------------
+    @property
+    def write_behind(self) -> WriteBehind | None:
+        """The write-behind of committed blocks to the cold tier (None when off)."""
+        return self._wb
+
     def start(self) -> None:
-        """Start the background (prefetch) mover."""
+        """Start the background (prefetch) mover and the write-behind."""
         self._mover.start()
+        if self._wb is not None:
+            self._wb.start()
 
     def stop(self) -> None:
         self.close()
@@ -318,53 +337,6 @@ class TieredKVStore(KVStore):
                     m.pins -= 1
                     self._t.touch(m)
 
-    # -- the cold tier's listener ------------------------------------------------------------
-    def cold_failed_over(self) -> None:
-        """The cold tier switched to a stand-in because its device failed: hot and warm
-        blocks (and those moving out of them) stop relying on their cold copy, so demoting
-        them writes them to the tier that now serves; blocks read from the failing device
-        meanwhile do the same when their move completes. Blocks that live only in the cold
-        tier are left as they are: they read from the failed device or become LOST."""
-        with self._cond:
-            n = 0
-            for m in self._t.meta.values():
-                if not m.in_cold:
-                    continue
-                if m.state is BlockState.MIGRATING:
-                    m.recheck_cold = True  # settled when its move completes
-                    if m.src_state is BlockState.COLD:
-                        continue
-                if m.tier is not Tier.COLD:
-                    n += self._mover.drop_cold_copy(m)
-        log.warning("store_cold_copies_dropped", blocks=n)
-
-    def cold_protected(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
-        """Records capacity eviction must keep: pinned blocks, blocks in use, and blocks
-        being read from the cold tier (see `BlockTable.protected`)."""
-        with self._cond:
-            return self._t.protected(keys)
-
-    def cold_evicted(self, keys: list[BlockKey]) -> None:
-        """The cold tier dropped records to stay under its cap: blocks that lived only there
-        are forgotten. A protected block (which the cold tier must not pick) is never
-        forgotten: it becomes LOST, to be recomputed, and `check_integrity` reports it."""
-        with self._cond:
-            for k in keys:
-                m = self._t.meta.get(k)
-                if m is None:
-                    continue
-                m.in_cold = False
-                if m.state is not BlockState.COLD:
-                    continue
-                if m.pins or m.users:
-                    transition(m, BlockState.LOST)
-                    self._t.protected_evicted.append(k)
-                    self.counters["lost"] += 1
-                    log.error("store_protected_block_evicted", key=k.hex(), pins=m.pins,
-                              users=m.users)
-                else:
-                    self._forget(m)
-
     # -- forgetting --------------------------------------------------------------------------
     def _forget(self, m: BlockMeta) -> None:
         """Caller holds the lock; `m` is idle and settled."""
@@ -413,19 +385,7 @@ class TieredKVStore(KVStore):
             return 0
         now = time.time() if now is None else now
         ttl = self._cold.ttl_s
-        keys = self._cold.expired(now)
-        drop, n = [], 0
-        with self._cond:
-            for k in keys:
-                m = self._t.meta.get(k)
-                if m is None:
-                    drop.append(k)  # an orphan record
-                elif (m.state is BlockState.COLD and m.users == 0 and m.pins == 0
-                      and m.last_access + ttl < now):
-                    drop.append(k)
-                    self._forget(m)
-                    n += 1
-            self.counters["expired"] += n
+        drop, n = self.cold_link.forget_expired(self._cold.expired(now), now, ttl)
         if drop:
             self._cold.evict(drop)
             log.info("store_cold_expired", blocks=n, records=len(drop))
@@ -496,6 +456,8 @@ class TieredKVStore(KVStore):
         if self._cold is not None:
             cold.update(self._cold.stats())
         tiers["cold"] = cold
+        out["write_behind"] = (self._wb.status() if self._wb is not None
+                               else {"enabled": False})
         return out
 
     def check_integrity(self) -> None:
@@ -513,16 +475,7 @@ class TieredKVStore(KVStore):
         report = self._cold.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s,
                                    progress=progress)
         if repair:
-            gone = before - set(self._cold.keys())
-            with self._cond:
-                for k in gone:
-                    m = self._t.meta.get(k)
-                    if m is None:
-                        continue
-                    m.in_cold = False
-                    if m.state is BlockState.COLD:
-                        transition(m, BlockState.LOST)
-                        self.counters["lost"] += 1
+            self.cold_link.records_gone(before - set(self._cold.keys()))
         return report
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -538,6 +491,8 @@ class TieredKVStore(KVStore):
         if self._closed:
             return
         self._closed = True
+        if self._wb is not None:
+            self._wb.stop()
         self._mover.close()
         if self.persist_on_shutdown:
             self.persist()

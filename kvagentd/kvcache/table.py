@@ -92,6 +92,15 @@ class BlockTable:
                     break
         return out
 
+    def drop_cold_copy(self, m: BlockMeta) -> int:
+        """A resident block's cold copy is no longer relied on (its record is still deleted
+        when the block is forgotten); returns 1 when it had one, else 0."""
+        if not m.in_cold or m.state in (BlockState.COLD, BlockState.LOST):
+            return 0
+        m.in_cold = False
+        m.stale_cold = True
+        return 1
+
     def protected(self, keys: Iterable[BlockKey]) -> set[BlockKey]:
         """Which of `keys` must keep their cold records: pinned, in use, or being read from
         the cold tier right now."""

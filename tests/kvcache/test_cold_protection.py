@@ -81,13 +81,13 @@ def test_store_protects_pinned_in_use_and_cold_reads(make_store):
     keys = compute_blocks(st, "s", toks, 0, 3)
     st.release("s")
     assert st.demote(keys, Tier.COLD) == 3
-    assert st.cold_protected(keys) == set()
+    assert st.cold_link.cold_protected(keys) == set()
     st.pin(keys[:1])
     r = st.ensure_resident(keys[1:2], "req")  # held by a running request
-    assert st.cold_protected(keys) == {keys[0], keys[1]}
+    assert st.cold_link.cold_protected(keys) == {keys[0], keys[1]}
     st.release("req")
     st.unpin(keys[:1])
-    assert st.cold_protected(keys) == set()
+    assert st.cold_link.cold_protected(keys) == set()
     assert r.missing_from is None
     st.close()
 
@@ -101,7 +101,7 @@ def test_integrity_catches_a_pinned_block_evicted_anyway(make_store):
     st.pin(keys[:1])
     # a cold tier that ignores the protection drops both records
     st.cold.delete(keys)
-    st.cold_evicted(list(keys))
+    st.cold_link.cold_evicted(list(keys))
     states = {b.key: b.tier for b in st.snapshot()}
     assert keys[0] in states and states[keys[0]] is None  # LOST: kept, to be recomputed
     assert keys[1] not in states  # unpinned: forgotten as before

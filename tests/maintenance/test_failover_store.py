@@ -33,7 +33,7 @@ def test_warm_blocks_with_ssd_copies_survive_an_ssd_failure(tiers):
                        cold=lambda listener: tiers(listener=listener)[0],
                        persist_on_shutdown=False)
     fo, fio = st.cold, st.cold.file_io
-    assert fo.listener is st
+    assert fo.listener is st.cold_link
     toks = list(range(6 * BT))
     keys = _compute(st, "s", toks, 0, 4)
     st.release("s")

@@ -7,11 +7,9 @@ It lives on the same disk as the segments, so a full or failing disk surfaces he
 and batched (`defer_touch`), and dropped (counted) when they cannot be written, so they never
 fail a read of a record that verified.
 
-An index that cannot be opened is set aside (renamed `index.sqlite3.corrupt-<time>`), never
-trusted: a new one starts empty and the old segment files are removed as unindexed garbage.
-That costs recomputation, never wrong KV, and is reported (`discarded_at_open`). An index
-that merely cannot be written (a read-only directory or file, a full disk) is never set
-aside: it is opened read-only, its records stay readable, and `unwritable` says why until
+Opening (`indexfile.py`): a damaged index is set aside for a new, empty one and reported
+(`discarded_at_open`); one that merely cannot be written (a read-only directory or file, a
+full disk) is opened read-only, its records stay readable, and `unwritable` says why until
 `reopen` succeeds.
 """
 
@@ -28,30 +26,16 @@ from typing import Any, NamedTuple
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, ColdEntry
-from kvagentd.kvcache.cold.causes import Cause, cause_in, is_corrupt
+from kvagentd.kvcache.cold.causes import Cause, cause_in
+from kvagentd.kvcache.cold.indexfile import open_index
 from kvagentd.kvcache.cold.record import RecordRow
 from kvagentd.kvcache.fileio import FileOps
 
 log = structlog.get_logger(__name__)
 
-INDEX_NAME = "index.sqlite3"
 TOUCH_BATCH = 4096            # deferred last-access updates written together ...
 TOUCH_EVERY_S = 1.0           # ... or after this long
 _IN_CHUNK = 500               # keys per "IN (...)" query
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS blocks (
-    key BLOB PRIMARY KEY, namespace BLOB NOT NULL, segment INTEGER NOT NULL,
-    offset INTEGER NOT NULL, length INTEGER NOT NULL, payload_len INTEGER NOT NULL,
-    checksum INTEGER NOT NULL, codec TEXT NOT NULL, version INTEGER NOT NULL,
-    session TEXT NOT NULL, tokens INTEGER NOT NULL, created REAL NOT NULL,
-    last_access REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS blocks_seg ON blocks (segment, offset);
-CREATE TABLE IF NOT EXISTS segments (
-    id INTEGER PRIMARY KEY, state TEXT NOT NULL, size INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS refs (
-    session TEXT NOT NULL, key BLOB NOT NULL, PRIMARY KEY (session, key));
-"""
 
 _ROW_COLS = "key, segment, offset, length, payload_len, checksum"
 
@@ -90,69 +74,19 @@ class ColdIndex:
         self._touch_flushed = time.monotonic()
         self._last_segment = 0
         self._bytes_used = 0
+        self._refs: set[tuple[str, BlockKey]] | None = None  # as stored, once read
         self.db = self._open()
         self._seal_and_count()
 
     # -- opening -----------------------------------------------------------------------------
     def _open(self) -> sqlite3.Connection:
-        """The index opened for writing; a corrupt one is set aside for a new, empty one.
-        One that cannot be written (a read-only directory or file, a full disk) is opened
-        read-only instead, with `unwritable` saying why: its records stay readable."""
-        path = self.directory / INDEX_NAME
-        for attempt in range(2):
-            try:
-                db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-            except sqlite3.Error as exc:
-                return self._open_read_only(path, exc)
-            try:
-                db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")
-                db.executescript(_SCHEMA)
-                db.execute("SELECT COUNT(*) FROM blocks").fetchone()
-                if attempt:
-                    self._discard_old_segments()
-                return db
-            except sqlite3.DatabaseError as exc:
-                db.close()
-                if attempt or not is_corrupt(exc):
-                    return self._open_read_only(path, exc)
-                try:
-                    self._set_aside(path, exc)
-                except OSError as err:
-                    return self._open_read_only(path, err)
-        raise AssertionError("unreachable")
-
-    def _set_aside(self, path: Path, exc: sqlite3.Error) -> None:
-        aside = path.with_name(f"{INDEX_NAME}.corrupt-{int(time.time())}")
-        log.error("cold_index_unreadable", path=str(path), error=str(exc), moved_to=str(aside))
-        self.discarded_at_open = f"{exc}; set aside as {aside.name}"
-        for suffix in ("", "-wal", "-shm"):
-            src = Path(str(path) + suffix)
-            if src.exists():
-                self.io.rename(str(src), str(aside) + suffix)
-
-    def _open_read_only(self, path: Path, why: BaseException) -> sqlite3.Connection:
-        """The index as it is, for reading only (or an empty one in memory when even that
-        fails); `unwritable` says why."""
-        self.unwritable = str(why) or type(why).__name__
-        self.unwritable_cause = cause_in(why, self.directory)
-        log.error("cold_index_unwritable", path=str(path), error=self.unwritable,
-                  cause=self.unwritable_cause.value)
-        for query in ("mode=ro", "immutable=1"):
-            try:
-                db = sqlite3.connect(f"{path.as_uri()}?{query}", uri=True,
-                                     check_same_thread=False, isolation_level=None)
-            except sqlite3.Error:
-                continue
-            try:
-                db.execute("SELECT COUNT(*) FROM blocks").fetchone()
-                db.execute("SELECT COUNT(*) FROM segments").fetchone()
-                return db
-            except sqlite3.Error:
-                db.close()
-        db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
-        db.executescript(_SCHEMA)
-        return db
+        """The index database (see `indexfile.open_index`); records why it was set aside or
+        cannot be written."""
+        opened = open_index(self.directory, self.io)
+        if opened.discarded is not None:
+            self.discarded_at_open = opened.discarded
+        self.unwritable, self.unwritable_cause = opened.unwritable, opened.cause
+        return opened.db
 
     def _seal_and_count(self) -> None:
         """Seal what the last process left active and count the live bytes; an index that
@@ -181,17 +115,10 @@ class ColdIndex:
             except sqlite3.Error as exc:
                 log.warning("cold_index_close_failed", error=str(exc))
             self.unwritable = self.unwritable_cause = None
+            self._refs = None
             self.db = self._open()
             self._seal_and_count()
             return self.unwritable
-
-    def _discard_old_segments(self) -> None:
-        """After starting a new index: old segment files are unindexed garbage; remove them."""
-        for p in self.directory.glob("seg-*.kvs"):
-            try:
-                self.io.unlink(str(p))
-            except OSError as exc:
-                log.warning("cold_unlink_failed", path=str(p), error=str(exc))
 
     # -- transactions and failures -----------------------------------------------------------
     @contextlib.contextmanager
@@ -297,6 +224,9 @@ class ColdIndex:
             self._bytes_used -= freed
             for k in keys:
                 self._touch_pending.pop(k, None)
+            if n and self._refs is not None:
+                gone = set(keys)
+                self._refs = {r for r in self._refs if r[1] not in gone}
         return n
 
     def contains(self, key: BlockKey) -> bool:
@@ -378,12 +308,27 @@ class ColdIndex:
 
     # -- session references --------------------------------------------------------------------
     def save_refs(self, refs: dict[str, Iterable[BlockKey]]) -> None:
-        """Replace the session -> keys map (only keys that have a record are kept)."""
+        """Replace the session -> keys map (only keys that have a record are kept), writing
+        only what changed since the last save, then sync the index (a checkpoint): rows
+        committed so far survive a power cut."""
+        want = {(s, k) for s, ks in refs.items() for k in ks}
         with self.txn():
-            self.db.execute("DELETE FROM refs")
+            have = self._saved_refs()
+            gone, new = have - want, want - have
+            self.db.executemany("DELETE FROM refs WHERE session=? AND key=?", list(gone))
             self.db.executemany(
                 "INSERT OR IGNORE INTO refs (session, key) SELECT ?, key FROM blocks "
-                "WHERE key=?", [(s, k) for s, ks in refs.items() for k in ks])
+                "WHERE key=?", list(new))
+        with self.lock:
+            self._refs = set(self.db.execute("SELECT session, key FROM refs")) \
+                if new else have - gone
+            self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def _saved_refs(self) -> set[tuple[str, BlockKey]]:
+        """The stored (session, key) pairs; caller holds the lock."""
+        if self._refs is None:
+            self._refs = set(self.db.execute("SELECT session, key FROM refs"))
+        return self._refs
 
     def load_refs(self) -> dict[str, list[BlockKey]]:
         out: dict[str, list[BlockKey]] = {}

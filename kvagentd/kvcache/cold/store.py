@@ -360,7 +360,10 @@ class ColdStore:
         self.index.defer_touch(keys, time.time() if now is None else now, flush=True)
 
     def save_refs(self, refs: dict[str, Iterable[BlockKey]]) -> None:
-        """Replace the stored session -> keys map (only keys that have a record are kept)."""
+        """Replace the stored session -> keys map (only keys that have a record are kept) and
+        sync the index; nothing while the directory takes no writes."""
+        if self.unwritable is not None:
+            return
         try:
             self.index.save_refs(refs)
         except sqlite3.Error as exc:  # the previous map stays; counts may be stale
