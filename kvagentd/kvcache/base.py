@@ -268,6 +268,12 @@ class ColdTier(Protocol):
     def set_read_only(self, flag: bool) -> None: ...
 
     @property
+    def durable(self) -> bool:
+        """New records land on non-volatile storage now (not a RAM stand-in while the SSD
+        fails): the write-behind writes only then."""
+        ...
+
+    @property
     def bytes_used(self) -> int: ...
 
     def put_many(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor] | torch.Tensor,

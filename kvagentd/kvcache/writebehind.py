@@ -12,6 +12,10 @@ recent end of the idle LRU and keep them from being demoted. Instead a batch is 
 staging arena outside the owner lock and written only where the block did not move meanwhile
 (same block, version and slot): a slot is reused only after a completed move, which bumps the
 version. Nothing here raises into the store: a failed round is logged and counted.
+
+Rounds write nothing while the cold tier takes no records (read-only) or is not durable (the
+RAM shadow serves while the SSD fails: copies there would not survive a power cut, and would
+push out of the size-capped shadow records that exist nowhere else).
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ class WriteBehind:
         with self._lock:
             t0 = time.monotonic()
             written = nbytes = moved = refused = 0
-            if not self.cold.read_only:
+            if self.cold.durable and not self.cold.read_only:
                 todo = self._unsaved()
                 step = max(1, self.policy.batch_blocks)
                 for i in range(0, len(todo), step):

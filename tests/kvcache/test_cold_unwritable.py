@@ -103,3 +103,43 @@ def test_full_cold_disk_at_restart_starts_degraded_then_writes_back(tmp_path: Pa
     assert out["probe_room"] == {"restored": 2, "serving": "ssd"}, out
     assert out["after"] == "ssd" and out["on_ssd"] and out["readable_after"]
     assert out["shadow_left"] == 0
+
+
+def test_an_index_file_that_cannot_be_written_is_never_set_aside(make_cold, geometry, namespace,
+                                                                  tmp_path, monkeypatch):
+    """SQLite says "attempt to write a readonly database" (the file's mode or owner): the
+    records stay, read-only, instead of being discarded as a corrupt index."""
+    import sqlite3
+
+    import torch
+
+    from kvagentd.kvcache.cold import indexfile
+    from kvagentd.kvcache.keys import block_keys
+
+    cs = make_cold()
+    keys = block_keys(namespace, list(range(4 * 3)), 4)
+    blocks = [torch.full(geometry.block_shape, float(i)) for i in range(3)]
+    assert all(cs.put_many(keys, blocks))
+    cs.close()
+    real = sqlite3.connect
+
+    def read_only_file(path, *args, **kw):
+        if str(path).endswith("index.sqlite3") and not kw.get("uri"):
+            return real(f"{Path(path).as_uri()}?mode=ro", *args, uri=True, **kw)
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(indexfile.sqlite3, "connect", read_only_file)
+    cs = make_cold()
+    assert cs.unwritable and cs.unwritable_cause.value == "read_only"
+    assert cs.index.discarded_at_open is None
+    assert not list((tmp_path / "cold").glob("index.sqlite3.corrupt-*"))
+    outs = [torch.empty(geometry.block_shape) for _ in keys]
+    assert cs.read_into(keys, outs) == [True] * 3
+    assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+    assert cs.put_many(block_keys(namespace, list(range(100, 104)), 4),
+                       [blocks[0]]) == [False]
+    cs.close()
+    monkeypatch.undo()
+    cs = make_cold()  # writable again: everything is still there
+    assert cs.unwritable is None and set(cs.keys()) == set(keys)
+    cs.close()

@@ -106,3 +106,25 @@ def test_blocks_moving_during_rounds_are_never_written_wrong(make_store, make_co
     assert [o.flatten()[0].item() for o in outs] == [fill_value(k) for k in stored]
     assert all(bool((o == o.flatten()[0]).all()) for o in outs)  # whole blocks, none torn
     st.check_integrity()
+
+
+def test_nothing_is_written_while_the_ram_shadow_serves(tmp_path, geometry, namespace):
+    from kvagentd.kvcache.cold import ColdTierSpec, build_cold_tier
+    from kvagentd.kvcache.store import TieredKVStore
+
+    spec = ColdTierSpec(cold_dir=tmp_path / "ssd", shadow_dir=tmp_path / "shm",
+                        capacity_bytes=8 << 20, segment_bytes=1 << 20, o_direct=False,
+                        shadow_bytes=2 << 20)
+    bb = geometry.block_bytes
+    st = TieredKVStore(geometry, namespace, hot_bytes=8 * bb, warm_bytes=8 * bb,
+                       cold=lambda listener: build_cold_tier(spec, geometry, namespace, listener),
+                       write_behind=POLICY)
+    compute_blocks(st, "s", list(range(8)), 0, 2)
+    st.release("s")
+    st.cold.activate("drill")
+    res = st.write_behind.run_round()
+    assert res.written == 0 and res.left == 2 and st.cold.shadow.keys() == []
+    st.cold.restore()
+    assert st.write_behind.run_round().written == 2
+    assert len(st.cold.primary.keys()) == 2
+    st.close()

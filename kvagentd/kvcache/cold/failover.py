@@ -360,6 +360,11 @@ class FailoverColdStore:
         return self.primary.read_only and self.state is ServingTier.SSD
 
     @property
+    def durable(self) -> bool:
+        """Only the SSD is: the shadow is RAM (/dev/shm)."""
+        return self.state is ServingTier.SSD
+
+    @property
     def ttl_s(self) -> float:
         """The cold TTL (the SSD store's; the shadow uses the same configuration)."""
         return self.primary.ttl_s

@@ -75,6 +75,7 @@ class ColdIndex:
         self._last_segment = 0
         self._bytes_used = 0
         self._refs: set[tuple[str, BlockKey]] | None = None  # as stored, once read
+        self._refs_by_key: dict[BlockKey, set[str]] = {}
         self.db = self._open()
         self._seal_and_count()
 
@@ -115,7 +116,7 @@ class ColdIndex:
             except sqlite3.Error as exc:
                 log.warning("cold_index_close_failed", error=str(exc))
             self.unwritable = self.unwritable_cause = None
-            self._refs = None
+            self._refs, self._refs_by_key = None, {}
             self.db = self._open()
             self._seal_and_count()
             return self.unwritable
@@ -225,8 +226,9 @@ class ColdIndex:
             for k in keys:
                 self._touch_pending.pop(k, None)
             if n and self._refs is not None:
-                gone = set(keys)
-                self._refs = {r for r in self._refs if r[1] not in gone}
+                for k in keys:
+                    for sess in self._refs_by_key.pop(k, ()):
+                        self._refs.discard((sess, k))
         return n
 
     def contains(self, key: BlockKey) -> bool:
@@ -312,23 +314,42 @@ class ColdIndex:
         only what changed since the last save, then sync the index (a checkpoint): rows
         committed so far survive a power cut."""
         want = {(s, k) for s, ks in refs.items() for k in ks}
-        with self.txn():
+        with self.lock:
             have = self._saved_refs()
             gone, new = have - want, want - have
-            self.db.executemany("DELETE FROM refs WHERE session=? AND key=?", list(gone))
-            self.db.executemany(
-                "INSERT OR IGNORE INTO refs (session, key) SELECT ?, key FROM blocks "
-                "WHERE key=?", list(new))
-        with self.lock:
-            self._refs = set(self.db.execute("SELECT session, key FROM refs")) \
-                if new else have - gone
+            if gone or new:
+                with self.txn():
+                    self.db.executemany("DELETE FROM refs WHERE session=? AND key=?", gone)
+                    self.db.executemany(
+                        "INSERT OR IGNORE INTO refs (session, key) SELECT ?, key FROM blocks "
+                        "WHERE key=?", new)
+                stored = self.present([k for _, k in new]) if new else set()
+                for s, k in gone:
+                    self._drop_ref(s, k)
+                for s, k in new:
+                    if k in stored:
+                        have.add((s, k))
+                        self._refs_by_key.setdefault(k, set()).add(s)
             self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def _saved_refs(self) -> set[tuple[str, BlockKey]]:
-        """The stored (session, key) pairs; caller holds the lock."""
+        """The stored (session, key) pairs (read once, then kept in step); caller holds the
+        lock."""
         if self._refs is None:
             self._refs = set(self.db.execute("SELECT session, key FROM refs"))
+            self._refs_by_key = {}
+            for s, k in self._refs:
+                self._refs_by_key.setdefault(k, set()).add(s)
         return self._refs
+
+    def _drop_ref(self, session: str, key: BlockKey) -> None:
+        assert self._refs is not None
+        self._refs.discard((session, key))
+        sessions = self._refs_by_key.get(key)
+        if sessions is not None:
+            sessions.discard(session)
+            if not sessions:
+                del self._refs_by_key[key]
 
     def load_refs(self) -> dict[str, list[BlockKey]]:
         out: dict[str, list[BlockKey]] = {}

@@ -129,6 +129,12 @@ class ColdStore:
         self.read_only = flag
 
     @property
+    def durable(self) -> bool:
+        """A directory is taken to be on non-volatile storage (the failover pair knows when
+        its stand-in is RAM)."""
+        return True
+
+    @property
     def unwritable(self) -> str | None:
         """Why this directory takes no records now (it could not be written at open), or
         None. Unlike `read_only` (wear, an operator), it ends only with `reopen`."""
