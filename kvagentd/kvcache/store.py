@@ -338,40 +338,16 @@ class TieredKVStore(KVStore):
                     self._t.touch(m)
 
     # -- forgetting --------------------------------------------------------------------------
-    def _forget(self, m: BlockMeta) -> None:
-        """Caller holds the lock; `m` is idle and settled."""
-        self._t.forget(m, self._pools)
-
-    def _forget_idle(self, keys: Sequence[BlockKey], *, unreferenced_only: bool,
-                     session: str | None = None) -> tuple[int, list[BlockKey]]:
-        """Forget idle, unpinned, settled blocks (after dropping `session`'s reference); with
-        `unreferenced_only`, only those no session references. Returns how many went and the
-        cold records to delete."""
-        drop_cold, n = [], 0
-        with self._cond:
-            for k in keys:
-                m = self._t.meta.get(k)
-                if m is None:
-                    continue
-                if session is not None:
-                    m.sessions.discard(session)
-                if m.users or m.pins or m.state is BlockState.MIGRATING \
-                        or (unreferenced_only and m.sessions):
-                    continue
-                if m.in_cold or m.stale_cold:
-                    drop_cold.append(k)
-                self._forget(m)
-                n += 1
-        return n, drop_cold
-
     def drop_session(self, session: str, keys: Sequence[BlockKey]) -> None:
-        _, drop_cold = self._forget_idle(keys, unreferenced_only=True, session=session)
+        with self._cond:
+            _, drop_cold = self._t.forget_idle(keys, self._pools, unreferenced_only=True,
+                                               session=session)
         if drop_cold and self._cold is not None:
             self._cold.delete(drop_cold)
 
     def evict(self, keys: Sequence[BlockKey]) -> int:
-        n, drop_cold = self._forget_idle(keys, unreferenced_only=False)
         with self._cond:
+            n, drop_cold = self._t.forget_idle(keys, self._pools, unreferenced_only=False)
             self.counters["evicted"] += n
         if drop_cold and self._cold is not None:
             self._cold.delete(drop_cold)
@@ -394,21 +370,8 @@ class TieredKVStore(KVStore):
     def relocate(self, tier: Tier, moves: Sequence[tuple[int, int]]) -> int:
         if tier is Tier.COLD:
             return 0
-        pool, owners, n = self._pools[tier], self._t.owners[tier], 0
         with self._cond:
-            for src, dst in moves:
-                key = owners.get(src)
-                if key is None or pool.is_used(dst):
-                    continue
-                m = self._t.meta[key]
-                if m.users or m.state is BlockState.MIGRATING:
-                    continue
-                pool.move(src, dst)
-                del owners[src]
-                owners[dst] = key
-                m.slot = dst
-                m.version += 1
-                n += 1
+            n = self._t.relocate(self._pools[tier], tier, moves)
             self.counters["relocated"] += n
         return n
 

@@ -78,6 +78,48 @@ class BlockTable:
         self.touch(m)
         del self.meta[m.key]
 
+    def forget_idle(self, keys: Iterable[BlockKey], pools: dict[Tier, BlockPool], *,
+                    unreferenced_only: bool, session: str | None = None
+                    ) -> tuple[int, list[BlockKey]]:
+        """Forget idle, unpinned, settled blocks (after dropping `session`'s reference); with
+        `unreferenced_only`, only those no session references. Returns how many went and the
+        cold records to delete."""
+        drop_cold: list[BlockKey] = []
+        n = 0
+        for k in keys:
+            m = self.meta.get(k)
+            if m is None:
+                continue
+            if session is not None:
+                m.sessions.discard(session)
+            if m.users or m.pins or m.state is BlockState.MIGRATING \
+                    or (unreferenced_only and m.sessions):
+                continue
+            if m.in_cold or m.stale_cold:
+                drop_cold.append(k)
+            self.forget(m, pools)
+            n += 1
+        return n, drop_cold
+
+    def relocate(self, pool: BlockPool, tier: Tier, moves: Iterable[tuple[int, int]]) -> int:
+        """Move idle, settled blocks of `pool` (`tier`) between slots, (src, dst) each; skips
+        a free src, a used dst and blocks in use or moving. Returns how many moved."""
+        owners, n = self.owners[tier], 0
+        for src, dst in moves:
+            key = owners.get(src)
+            if key is None or pool.is_used(dst):
+                continue
+            m = self.meta[key]
+            if m.users or m.state is BlockState.MIGRATING:
+                continue
+            pool.move(src, dst)
+            del owners[src]
+            owners[dst] = key
+            m.slot = dst
+            m.version += 1
+            n += 1
+        return n
+
     def idle_victims(self, tier: Tier, n: int, exclude: set[BlockKey], *,
                      copied: bool = False) -> list[BlockKey]:
         """Up to `n` least recently used idle blocks of `tier`, not in `exclude`; with

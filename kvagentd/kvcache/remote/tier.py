@@ -159,6 +159,10 @@ class RemoteColdTier:
     def read_only(self) -> bool:
         return self.local.read_only
 
+    @property
+    def durable(self) -> bool:
+        return self.local.durable
+
     def set_read_only(self, flag: bool) -> None:
         self.local.set_read_only(flag)
 
