@@ -69,9 +69,11 @@ def run(config: ConfigOpt = DEFAULT_CONFIG_PATH) -> None:
 @app.command("check-config")
 def check_config(path: Annotated[Path, typer.Argument(help="TOML configuration file")]) -> None:
     """Validate a configuration file (with KVAGENTD_* overrides) without starting."""
+    from kvagentd.health.report import size
+
     cfg = _load(path)
     assets = ", ".join(a.name for a in cfg.agent.assets) if cfg.agent.enabled else "disabled"
-    typer.echo(f"{path}: ok (model {cfg.model.source}, hot {cfg.kv.hot_bytes} B, "
+    typer.echo(f"{path}: ok (model {cfg.model.source}, hot {size(cfg.kv.hot_bytes)}, "
                f"socket {cfg.control.socket}, agent: {assets})")
 
 

@@ -193,9 +193,7 @@ def _assets(s: Scrape) -> Iterator[Metric]:
               ["asset"])
     anomaly = _g("kvagentd_asset_anomaly", "1 when the last window was flagged", ["asset"])
     age = _g("kvagentd_asset_sensor_data_age_seconds",
-             "Seconds since the last usable window", ["asset"])
-    link = _g("kvagentd_asset_sensor_connected", "MQTT: 1 while the client is connected",
-              ["asset"])
+             "Seconds since the last usable window (MQTT link: kvagentd_mqtt_*)", ["asset"])
     bad = _c("kvagentd_asset_bad_windows", "Windows refused, by reason", ["asset", "reason"])
     for v in views:
         if v.last_rms_mm_s is not None:
@@ -206,11 +204,9 @@ def _assets(s: Scrape) -> Iterator[Metric]:
             anomaly.add_metric([v.name], 1 if v.last_anomaly else 0)
         if v.data_age_s is not None:
             age.add_metric([v.name], v.data_age_s)
-        if v.connected is not None:
-            link.add_metric([v.name], 1 if v.connected else 0)
         for reason, n in v.bad_samples.items():
             bad.add_metric([v.name, reason], n)
-    yield from (rms, zone, anomaly, age, link, bad)
+    yield from (rms, zone, anomaly, age, bad)
     ticks = _c("kvagentd_agent_ticks", "Sensor ticks done per asset", ["asset"])
     skipped = _c("kvagentd_agent_ticks_skipped",
                  "Due ticks not run: the previous one still ran (overlap) or too late (missed)",

@@ -145,8 +145,10 @@ class Agent:
         views = []
         for name, st in self.assets.items():
             last = self.events.recent(name, 1)
+            newest = self.events.query(asset=name, limit=1)
             views.append(asset_view(st, last[-1] if last else None, self.config, now=now,
-                                    started_at=self.started_at))
+                                    started_at=self.started_at,
+                                    newest=newest[0] if newest else None))
         return views
 
     def reload(self, full: Config) -> None:

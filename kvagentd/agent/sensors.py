@@ -161,6 +161,12 @@ class MqttSource(SensorSource):
     def connects(self) -> int:
         return self.broker.connects
 
+    @property
+    def last_received(self) -> float | None:
+        """When (the source's clock) the newest decodable message arrived; None: none yet."""
+        with self._lock:
+            return self._latest[0] if self._latest is not None else None
+
     def status(self) -> dict[str, object]:
         with self._lock:
             counts = {"messages": self.messages, "decode_errors": self.decode_errors}

@@ -26,6 +26,8 @@ class AssetView(NamedTuple):
     last_rms_mm_s: float | None
     last_anomaly: bool | None
     bad_samples: dict[str, int]  # per reason, since start
+    message_age_s: float | None = None  # MQTT: since the last message arrived (None: none yet)
+    last_refused: str | None = None  # the newest window was refused: why ("stale: ...")
 
 
 class _AssetState(Protocol):
@@ -45,13 +47,18 @@ def stale_after_s(config: AgentConfig) -> float:
 
 
 def asset_view(st: _AssetState, last_row: dict[str, Any] | None, config: AgentConfig, *,
-               now: float, started_at: float | None) -> AssetView:
-    """The view of one asset at `now` (the agent's clock); `last_row` is its newest tick row."""
+               now: float, started_at: float | None,
+               newest: dict[str, Any] | None = None) -> AssetView:
+    """The view of one asset at `now` (the agent's clock); `last_row` is its newest tick row,
+    `newest` its newest row of any kind (a refused window is a `bad_data` row)."""
     a = st.asset
     connected: bool | None = None
+    message_age: float | None = None
     link: str = a.source
     if isinstance(st.source, MqttSource):
         connected = st.source.connected
+        received = st.source.last_received
+        message_age = None if received is None else max(0.0, now - received)
         link = f"mqtt {a.mqtt_host}:{a.mqtt_port} {a.mqtt_topic}"
         if not connected:  # say why: refused (bad password), unreachable (TLS), ...
             state = st.source.status()
@@ -66,4 +73,7 @@ def asset_view(st: _AssetState, last_row: dict[str, Any] | None, config: AgentCo
         last_zone=(last_row or {}).get("zone"),
         last_rms_mm_s=float(rms) if isinstance(rms, int | float) else None,
         last_anomaly=bool(last_row["anomaly"]) if last_row else None,
-        bad_samples=dict(st.bad))
+        bad_samples=dict(st.bad),
+        message_age_s=message_age,
+        last_refused=str(newest.get("note") or "refused")
+        if newest and newest.get("kind") == "bad_data" else None)

@@ -145,22 +145,37 @@ def tick_p99(t: TickFacts, h: HealthConfig) -> Check:
 
 
 def sensor(a: AssetView, h: HealthConfig) -> Check:
+    """Whether the asset's source delivers usable windows. An MQTT source is judged by its
+    messages and its link; any source by whether its newest window was refused. Ticks that run
+    late make the shown zone old too, but that is the ticks' check, not the sensor's."""
     name = f"sensor:{a.name}"
     limit = h.sensor_stale_s or a.stale_after_s
     down = a.connected is False
-    link = f"{a.link} disconnected" if down else a.link
-    if a.data_age_s is None:
-        if a.running_s > limit:
-            return Check(name, FAILING, f"{link}: no usable data in {age(a.running_s)} since "
-                                        f"start{_bad(a.bad_samples)}")
-        return Check(name, DEGRADED if down else OK, f"{link}: waiting for the first window")
-    if a.data_age_s > limit:
-        shown = f"; status still shows zone {a.last_zone} from then" if a.last_zone else ""
-        return Check(name, FAILING, f"{link}: no fresh data for {age(a.data_age_s)} (stale "
-                                    f"after {age(limit)}){shown}{_bad(a.bad_samples)}")
+    link = f"{a.link} disconnected" if down and "(" not in a.link else a.link
+    shown = f"; status still shows zone {a.last_zone} from {age(a.data_age_s)} ago" \
+        if a.last_zone and a.data_age_s is not None else ""
+    if a.connected is not None:  # MQTT
+        if a.message_age_s is None:
+            if a.running_s > limit:
+                return Check(name, FAILING, f"{link}: no message in {age(a.running_s)} since "
+                                            f"start{_bad(a.bad_samples)}")
+            return Check(name, DEGRADED if down else OK, f"{link}: waiting for the first message")
+        if a.message_age_s > limit:
+            return Check(name, FAILING, f"{link}: no message for {age(a.message_age_s)} (stale "
+                                        f"after {age(limit)}){shown}{_bad(a.bad_samples)}")
+    if a.last_refused is not None:
+        stale = a.data_age_s is None or a.data_age_s > limit
+        return Check(name, FAILING if stale else DEGRADED,
+                     f"{link}: the newest window was refused ({a.last_refused})"
+                     + (f"; no usable one for {age(a.data_age_s)}" if stale else "")
+                     + f"{shown if stale else ''}{_bad(a.bad_samples)}")
     if down:
-        return Check(name, DEGRADED, f"{link}; data still {age(a.data_age_s)} old")
-    return Check(name, OK, f"{link}, data {age(a.data_age_s)} old")
+        return Check(name, DEGRADED, f"{link}; last message {age(a.message_age_s)} ago")
+    if a.message_age_s is not None:
+        return Check(name, OK, f"{link}, last message {age(a.message_age_s)} ago")
+    if a.data_age_s is None:
+        return Check(name, OK, f"{link}: waiting for the first window")
+    return Check(name, OK, f"{link}, last window read {age(a.data_age_s)} ago")
 
 
 def _bad(bad: dict[str, int]) -> str:

@@ -61,26 +61,43 @@ def test_tick_p99_against_the_interval() -> None:
 def _view(**kw: object) -> AssetView:
     base = dict(name="pump-1", source="mqtt", link="mqtt 127.0.0.1:1883 plant/pump-1",
                 connected=True, data_age_s=1.0, running_s=300.0, stale_after_s=8.0,
-                last_zone="C", last_rms_mm_s=3.1, last_anomaly=True, bad_samples={})
+                last_zone="C", last_rms_mm_s=3.1, last_anomaly=True, bad_samples={},
+                message_age_s=1.0, last_refused=None)
     base.update(kw)
     return AssetView(**base)  # type: ignore[arg-type]
 
 
 def test_sensor_fresh_disconnected_and_stale() -> None:
-    assert checks.sensor(_view(), H).level is OK
-    down = checks.sensor(_view(connected=False, data_age_s=2.0), H)
+    assert checks.sensor(_view(message_age_s=1.0), H).level is OK
+    down = checks.sensor(_view(connected=False, message_age_s=2.0), H)
     assert down.level is DEGRADED and "disconnected" in down.reason
     # The field report: an MQTT outage with zone C from 60 s old data was "ok".
-    stale = checks.sensor(_view(connected=False, data_age_s=60.0,
+    stale = checks.sensor(_view(connected=False, data_age_s=60.0, message_age_s=60.0,
+                                last_refused="stale: last message 60.0 s ago",
                                 bad_samples={"stale": 18}), H)
     assert stale.level is FAILING
-    assert "no fresh data for 60 s (stale after 8.0 s)" in stale.reason
-    assert "zone C" in stale.reason and "stale 18" in stale.reason
-    never = checks.sensor(_view(data_age_s=None, running_s=30.0, last_zone=None), H)
-    assert never.level is FAILING and "no usable data" in never.reason
-    assert checks.sensor(_view(data_age_s=None, running_s=1.0), H).level is OK
+    assert "no message for 60 s (stale after 8.0 s)" in stale.reason
+    assert "still shows zone C from 60 s ago" in stale.reason and "stale 18" in stale.reason
+    never = checks.sensor(_view(data_age_s=None, message_age_s=None, running_s=30.0,
+                                last_zone=None), H)
+    assert never.level is FAILING and "no message in 30 s since start" in never.reason
+    assert checks.sensor(_view(data_age_s=None, message_age_s=None, running_s=1.0),
+                         H).level is OK
     own = dataclasses.replace(H, sensor_stale_s=120.0)
-    assert checks.sensor(_view(data_age_s=60.0), own).level is OK
+    assert checks.sensor(_view(data_age_s=60.0, message_age_s=60.0), own).level is OK
+
+
+def test_sensor_refused_windows_and_late_ticks() -> None:
+    sim = dict(source="simulated", link="simulated", connected=None, message_age_s=None)
+    # Ticks that run late make the shown zone old; that is the ticks' check, not the sensor's.
+    late = checks.sensor(_view(data_age_s=25.0, **sim), H)
+    assert late.level is OK and "last window read 25 s ago" in late.reason
+    once = checks.sensor(_view(data_age_s=3.0, last_refused="nonfinite: 12 samples", **sim), H)
+    assert once.level is DEGRADED and "refused (nonfinite: 12 samples)" in once.reason
+    dead = checks.sensor(_view(data_age_s=40.0, last_refused="silent: constant signal",
+                               bad_samples={"silent": 13}, **sim), H)
+    assert dead.level is FAILING and "no usable one for 40 s" in dead.reason
+    assert "silent 13" in dead.reason
 
 
 def test_shadow_fill_and_wear() -> None:

@@ -79,7 +79,6 @@ def test_scrape_names_units_and_labels() -> None:
     assert m[("kvagentd_asset_rms_velocity_meters_per_second", (("asset", "pump-1"),))] == 0.00325
     assert m[("kvagentd_asset_zone", (("asset", "pump-1"),))] == 3
     assert m[("kvagentd_asset_anomaly", (("asset", "pump-1"),))] == 1
-    assert m[("kvagentd_asset_sensor_connected", (("asset", "pump-1"),))] == 0
     assert m[("kvagentd_asset_sensor_data_age_seconds", (("asset", "pump-1"),))] == 62
     assert m[("kvagentd_asset_bad_windows_total", (("asset", "pump-1"), ("reason", "stale")))] == 18
     assert m[("kvagentd_agent_ticks_total", (("asset", "pump-1"),))] == 10
