@@ -23,6 +23,8 @@ def _fill(path: Path) -> str:
 @pytest.mark.parametrize("condition", ["read_only", "full_disk"])
 def test_daemon_starts_degraded_on_the_shadow(short_dir: Path, condition: str) -> None:
     config = _config(short_dir)
+    config.write_text(config.read_text().replace("[agent]\nenabled = true",
+                                                 "[agent]\nenabled = false"))
     cold = short_dir / "cold"
     cold.mkdir()
     mounts = [read_only(cold)] if condition == "read_only" else [small_disk(cold, "1m"),

@@ -47,6 +47,7 @@ def probe_once(fo: FailoverColdStore) -> bool:
     path = str(fo.probe_dir / PROBE_NAME)
     payload = os.urandom(4096)
     try:
+        fio.makedirs(str(fo.probe_dir))  # a directory that could not be created at start
         fd = fio.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             if fio.pwrite(fd, payload, 0) != len(payload):
