@@ -57,6 +57,7 @@ def test_full_disk_restore_waits_for_room_while_eviction_and_compaction_run(tmp_
         assert st.demote(keys, Tier.COLD) == 4
         old += keys
     assert all(fo.primary.contains(k) for k in old)
+    assert st.promote(old[-2:], Tier.HOT) == 2  # resident, with SSD copies
 
     # the disk fills up (another tenant): the next cold write fails over, for want of space
     fio.set(enospc=True)
@@ -65,6 +66,10 @@ def test_full_disk_restore_waits_for_room_while_eviction_and_compaction_run(tmp_
     assert st.demote(new, Tier.COLD) == 4
     assert fo.serving is ServingTier.SHADOW and fo.status()["cause"] == "no_space"
     assert all(fo.shadow.contains(k) for k in new)
+    # a full disk is no failing device: the SSD copies of resident blocks are still relied on
+    assert st.stats()["cold_copies_dropped"] == 0
+    assert st.demote(old[-2:], Tier.COLD) == 2 and not any(fo.shadow.contains(k)
+                                                           for k in old[-2:])
     fio.clear()  # writes work again, but the disk has little room
 
     cfg = Config(kv=KVConfig(cold_dir=tmp_path / "ssd"),

@@ -71,6 +71,12 @@ _TRANSITIONS: dict[ServingTier, frozenset[ServingTier]] = {
 }
 
 
+def _suspect(cause: Cause) -> bool:
+    """Copies already on the SSD may be unreadable: anything but a full disk (a file system
+    turns read-only at run time after I/O errors; an operator has a reason)."""
+    return cause is not Cause.NO_SPACE
+
+
 def _io_errors(store: ColdStore) -> int:
     """Faults a cold store has counted: read I/O errors plus failed writes (EIO, ENOSPC, EROFS)."""
     c = store.counters
@@ -187,28 +193,37 @@ class FailoverColdStore:
     def activate(self, reason: str, cause: Cause | None = None) -> bool:
         """Send new cold writes to the shadow; False when already there. `cause` defaults to
         what the SSD store's last failed write said (else I/O errors). Already on the shadow,
-        I/O errors replace a milder cause (compaction then stops rewriting the SSD)."""
+        I/O errors replace a milder cause (compaction then stops rewriting the SSD). The store
+        is told to stop relying on SSD copies unless the disk is merely full (`_suspect`):
+        those copies read."""
         cause = cause or self.primary.last_fault or Cause.IO_ERROR
         with self._lock:
-            if self.state is ServingTier.SHADOW:
-                if cause is Cause.IO_ERROR and self.cause is not Cause.IO_ERROR:
+            switched = self.state is not ServingTier.SHADOW
+            if switched:
+                if self.state is ServingTier.SSD:
+                    self.failovers += 1
+                self.set_state(ServingTier.SHADOW, reason, cause)  # a restore notices, stops
+                suspect = _suspect(cause)
+            else:
+                escalate = cause is Cause.IO_ERROR and self.cause is not Cause.IO_ERROR
+                # copies kept so far (a full disk) are suspect from now on
+                suspect = escalate and not _suspect(self.cause or Cause.NO_SPACE)
+                if escalate:
                     self.cause = cause
                     log.warning("cold_tier_failover_cause", cause=cause.value, reason=reason)
-                return False
-            if self.state is ServingTier.SSD:
-                self.failovers += 1
-            self.set_state(ServingTier.SHADOW, reason, cause)  # a restore notices and stops
-        self._notify_failover()
-        return True
+        if suspect:
+            self._notify_failover()
+        return switched
 
     def restore_failed(self, reason: str) -> None:
         """A write-back failed part way: serve from the shadow again."""
+        cause = self.primary.last_fault or Cause.IO_ERROR
         with self._lock:
             if self.state is not ServingTier.RESTORING:
                 return
-            self.set_state(ServingTier.SHADOW, reason,
-                           self.primary.last_fault or Cause.IO_ERROR)
-        self._notify_failover()
+            self.set_state(ServingTier.SHADOW, reason, cause)
+        if _suspect(cause):
+            self._notify_failover()
 
     def resync_errors(self) -> None:
         """Forget the SSD store's faults seen so far (before a restore writes to it)."""
@@ -270,11 +285,11 @@ class FailoverColdStore:
                 got = self.primary.read_into([keys[i] for i in rest], [outs[i] for i in rest])
             except (OSError, sqlite3.Error) as exc:
                 got = [False] * len(rest)
-                self.activate(f"cold read failed on the SSD: {exc}")
+                self.activate(f"cold read failed on the SSD: {exc}", Cause.IO_ERROR)
             for i, ok in zip(rest, got):
                 result[i] = ok
             if not all(got) and self._primary_faulted():
-                self.activate("cold read errors on the SSD")
+                self.activate("cold read errors on the SSD", Cause.IO_ERROR)
         return result
 
     def contains(self, key: BlockKey) -> bool:
