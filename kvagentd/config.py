@@ -159,12 +159,13 @@ class KVConfig:
 
 @dataclass(frozen=True, slots=True)
 class PlacementConfig:
-    policy: Literal["lru", "heat", "heat+prefetch"] = "heat+prefetch"
+    policy: Literal["lru", "heat", "heat+prefetch", "reuse"] = "heat+prefetch"
     heatmap_window: int = field(default=200, metadata=_rng(1, 100_000))
     hot_factor: float = field(default=1.8, metadata=_rng(0.0, 100.0))
     warm_factor: float = field(default=0.9, metadata=_rng(0.0, 100.0))
     window_fraction: float = field(default=0.25, metadata=_rng(0.01, 1.0))
     hysteresis: float = field(default=0.2, metadata=_rng(0.0, 10.0))
+    headroom_fraction: float = field(default=0.03, metadata=_rng(0.0, 0.5))
     interval_s: float = field(default=1.0, metadata=_rng(0.05, 3600.0))
     prefetch_lead_s: float = field(default=1.0, metadata=_rng(0.0, 3600.0))
     prefetch_max_inflight: int = field(default=8, metadata=_rng(1, 1024))

@@ -271,7 +271,7 @@ def build_services(config: Config, ctx: BuildContext) -> Services:
     remote = build_remote(config, geometry, namespace)
     tiers = build_tiers(config, geometry, namespace, model.device, access_listener=feed.record,
                         remote=remote)
-    placement = PlacementService(tiers.store, feed, config.placement, config.kv, ctx.scheduler,
+    placement = PlacementService(tiers.store, feed, config.placement, ctx.scheduler,
                                  summary_path=state_dir / "heat-summary.json",
                                  registry=ctx.registry)
     handover = gate = None

@@ -1,165 +1,281 @@
-"""Standard access traces for the placement simulator, generated from a seed (deterministic).
+"""Synthetic request traces for the placement simulator, generated from a seed (deterministic).
 
-- `seed_workload`: the agent's day in miniature: ~200 concurrent sessions. Sensor sessions
-  (one per asset) every 3 s; operator chat sessions chosen by Zipf popularity, visited in
-  bursts of 10 requests within seconds; report jobs that scan a week of archived sessions
-  (cold at start) chunk by chunk; sessions idle for hours, then resumed. All sessions share
-  the system-prompt blocks.
-- `pure_scan`: archived sessions read once each, sequentially, in chunks (no reuse at all).
-- `shifting_popularity`: Zipf-popular chat sessions whose popularity ranking rotates.
-A request touches a session's prefix (the shared system blocks and its own blocks, as a
-request of the engine does) or, for report scans, a chunk of an archived session.
+- `multiturn`: a production-style prefix-cache trace of a shared LLM service (the shape of the
+  published multi-turn traces: about 12,000 requests in an hour, 24 blocks a request, 63 % of
+  block accesses first touches, most blocks used once, at most about 5 % of the distinct blocks
+  waiting for a reuse at any moment). Applications, each with its own system prompts, open
+  conversations: one-shot API calls (a large document, almost never continued), chat (a few
+  turns, the user coming back after minutes, at a pace of their own) and tool-using agents
+  (steps seconds apart). Every turn re-reads the conversation so far and appends new blocks.
+  `same_pace=False` draws every gap independently (no per-user pace), an ablation.
+- `edge_agent`: the daemon's own workload on an edge PC: every asset ticks every 3 s into a
+  rolling session (the shared system prompt, a first turn, then one observation + assessment
+  per tick) that rolls over at the session token budget; operators ask (forking an asset's
+  session, a follow-up or two); weekly reports in fresh sessions; anomaly replays that resume
+  an old session (archived sessions start cold).
+- `seed`: the project's first trace: sensor sessions every 3 s, Zipf-popular operator chats in
+  bursts, sessions idle for an hour then resumed, report scans over cold archives.
+- `scan`: archived sessions read once each, in chunks (no reuse at all).
+- `shifting`: Zipf-popular chat sessions whose popularity ranking is reshuffled every 10 min.
+A request touches a session's whole prefix (its blocks in order), as the engine's requests do.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvagentd.kvcache.base import BlockKey
-
-from .request_trace import Request
+from .request_trace import RequestTrace, TraceBuilder
 
 SYSTEM_BLOCKS = 2
 
 
-@dataclass(slots=True)
-class Workload:
+def _zipf(n: int, a: float) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1) ** a
+    out: np.ndarray = w / w.sum()
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# production-style multi-turn
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class App:
+    """One application of the shared service."""
+
     name: str
-    requests: list[Request]
-    preload: list[tuple[BlockKey, str]] = field(default_factory=list)  # cold at start
-    duration_s: float = 0.0
+    share: float  # of conversations
+    prompts: int  # system prompts (1-4 blocks each, Zipf-popular)
+    continue_first: float  # P(a second turn)
+    continue_later: float  # P(another turn after the second)
+    pace_s: float  # median time between turns (a user's own pace is drawn around it)
+    pace_sigma: float  # spread of paces between users (log-normal)
+    turn_sigma: float  # spread of one user's gaps around their pace
+    first_blocks: float  # median blocks of the first turn (log-normal, sigma 0.8)
+    turn_blocks: float  # median blocks a later turn adds (log-normal, sigma 0.8)
 
-    @property
-    def block_accesses(self) -> int:
-        return sum(len(r.keys) for r in self.requests)
+
+APPS = (
+    App("chat", 0.42, 6, 0.40, 0.60, 420.0, 0.9, 0.35, 13.5, 4.5),
+    App("api", 0.52, 8, 0.02, 0.20, 600.0, 1.0, 0.50, 20.0, 2.7),
+    App("agent", 0.06, 4, 0.60, 0.70, 15.0, 0.6, 0.40, 9.0, 3.3),
+)
 
 
-class _Keys:
-    def __init__(self) -> None:
-        self.n = 0
+def multiturn(seed: int = 0, *, duration_s: float = 3600.0, requests: int = 12_000,
+              apps: tuple[App, ...] = APPS, same_pace: bool = True,
+              max_blocks: int = 160) -> RequestTrace:
+    """Production-style multi-turn trace (see module docstring), about `requests` requests."""
+    rng = np.random.default_rng(seed)
+    b = TraceBuilder()
+    prompts = {a.name: [b.new_blocks(int(rng.integers(1, 5))) for _ in range(a.prompts)]
+               for a in apps}
+    shares = np.array([a.share for a in apps])
+    shares = shares / shares.sum()
+    turns = np.array([1.0 + a.continue_first / (1.0 - a.continue_later) for a in apps])
+    rate = requests / duration_s / float(shares @ turns)  # conversations per second
+    t, conv = 0.0, 0
+    while True:
+        t += float(rng.exponential(1.0 / rate))
+        if t >= duration_s:
+            break
+        a = apps[int(rng.choice(len(apps), p=shares))]
+        system = prompts[a.name][int(rng.choice(a.prompts, p=_zipf(a.prompts, 1.0)))]
+        own = b.new_blocks(max(1, int(rng.lognormal(np.log(a.first_blocks), 0.8))))
+        pace = float(rng.lognormal(np.log(a.pace_s), a.pace_sigma))
+        session = f"{a.name}-{conv}"
+        tt, k = t, 1
+        while True:
+            b.add(tt, session, (system + own)[:max_blocks])
+            if rng.random() >= (a.continue_first if k == 1 else a.continue_later):
+                break
+            gap = pace if same_pace else float(rng.lognormal(np.log(a.pace_s), a.pace_sigma))
+            tt += gap * float(rng.lognormal(0.0, a.turn_sigma))
+            if tt >= duration_s:
+                break
+            own = own + b.new_blocks(max(1, int(rng.lognormal(np.log(a.turn_blocks), 0.8))))
+            k += 1
+        conv += 1
+    return b.finish("multiturn" if same_pace else "multiturn-iid")
 
-    def new(self) -> BlockKey:
-        self.n += 1
-        return self.n.to_bytes(16, "big")
 
+# ------------------------------------------------------------------------------------------
+# the daemon's own workload
+# ------------------------------------------------------------------------------------------
+
+def edge_agent(seed: int = 0, *, duration_s: float = 3600.0, assets: int = 8,
+               tick_s: float = 3.0, system_blocks: int = 11, first_turn_blocks: int = 7,
+               tick_blocks: int = 6, session_blocks: int = 96, ask_every_s: float = 90.0,
+               report_every_s: float = 900.0, report_blocks: int = 38,
+               replay_every_s: float = 600.0, archived_sessions: int = 40) -> RequestTrace:
+    """The agent's hour on an edge PC (see module docstring); block counts are for 16-token
+    blocks of SmolLM2 prompts (system prompt about 180 tokens, a tick about 100 tokens, the
+    session budget 1,536 tokens)."""
+    rng = np.random.default_rng(seed)
+    b = TraceBuilder()
+    system = b.new_blocks(system_blocks)
+    # sessions that ended (replay candidates): (end time, name, blocks); archived ones start cold
+    ended: list[tuple[float, str, list[int]]] = []
+    for i in range(archived_sessions):
+        blocks = system + b.new_blocks(session_blocks - system_blocks)
+        b.preload(blocks[system_blocks:])
+        ended.append((-1.0, f"asset-{i % assets}-archived{i}", blocks))
+    history: list[tuple[list[float], list[list[int]]]] = []  # per asset: tick times, prefixes
+    for a in range(assets):
+        n, t = 0, 0.37 * a
+        prefix: list[int] = []
+        times: list[float] = []
+        prefixes: list[list[int]] = []
+        while t < duration_s:
+            if not prefix or len(prefix) + tick_blocks > session_blocks:
+                if prefix:
+                    ended.append((t, f"asset-{a}-{n}", prefix))
+                n += 1
+                prefix = system + b.new_blocks(first_turn_blocks)
+            else:
+                prefix = prefix + b.new_blocks(tick_blocks)
+            b.add(t, f"asset-{a}-{n}", prefix)
+            times.append(t)
+            prefixes.append(prefix)
+            t += tick_s * float(rng.uniform(0.98, 1.02))
+        history.append((times, prefixes))
+    # operators ask about an asset: a fork of its session, a follow-up or two minutes later
+    t, k = 0.0, 0
+    while True:
+        t += float(rng.exponential(ask_every_s))
+        if t >= duration_s:
+            break
+        times, prefixes = history[int(rng.integers(assets))]
+        j = int(np.searchsorted(times, t, side="right")) - 1
+        fork = (prefixes[j] if j >= 0 else system) + b.new_blocks(int(rng.integers(2, 5)))
+        tt = t
+        for _ in range(1 + int(rng.integers(0, 3))):
+            b.add(tt, f"ask-{k}", fork)
+            tt += float(rng.uniform(20.0, 120.0))
+            fork = fork + b.new_blocks(int(rng.integers(2, 6)))
+        k += 1
+    # weekly reports: a fresh session (system prompt + the statistics) per asset in turn
+    t, k = 300.0, 0
+    while t < duration_s:
+        b.add(t, f"report-{k % assets}-{k}", system + b.new_blocks(report_blocks))
+        t += report_every_s / assets
+        k += 1
+    # anomaly replays: resume a session that ended before (rolled over or archived), then a
+    # follow-up
+    t, k = 200.0, 0
+    while t < duration_s:
+        done = [e for e in ended if e[0] < t]
+        _, name, blocks = done[int(rng.integers(len(done)))]
+        q = blocks + b.new_blocks(3)
+        b.add(t, f"replay-{k}:{name}", q)
+        b.add(t + float(rng.uniform(10.0, 40.0)), f"replay-{k}:{name}", q + b.new_blocks(4))
+        t += float(rng.exponential(replay_every_s))
+        k += 1
+    return b.finish("edge-agent")
+
+
+# ------------------------------------------------------------------------------------------
+# the first traces
+# ------------------------------------------------------------------------------------------
 
 @dataclass(slots=True)
 class _Sess:
     name: str
-    blocks: list[BlockKey]
+    blocks: list[int]
     window: int  # blocks of its own kept in the prompt (rolling)
     grow_every: int  # a new block every N requests
     count: int = 0
 
 
-def _touch(s: _Sess, system: list[BlockKey], keys: _Keys) -> tuple[BlockKey, ...]:
+def _touch(s: _Sess, system: list[int], b: TraceBuilder) -> list[int]:
     s.count += 1
     if s.grow_every and s.count % s.grow_every == 0:
-        s.blocks.append(keys.new())
+        s.blocks.append(b.new_blocks(1)[0])
         if len(s.blocks) > s.window:
             del s.blocks[0]
-    return tuple(system) + tuple(s.blocks)
-
-
-def _zipf_weights(n: int, a: float) -> np.ndarray:
-    w = 1.0 / np.arange(1, n + 1) ** a
-    return w / w.sum()
+    return system + s.blocks
 
 
 def seed_workload(seed: int = 0, *, duration_s: float = 7200.0, assets: int = 8,
                   chat_sessions: int = 160, archived_sessions: int = 40,
                   idle_sessions: int = 12, zipf_a: float = 1.1, burst_every_s: float = 12.0,
-                  report_every_s: float = 900.0) -> Workload:
+                  report_every_s: float = 900.0) -> RequestTrace:
     """The seed workload (see module docstring). About 200 sessions in total."""
     rng = np.random.default_rng(seed)
-    keys = _Keys()
-    system = [keys.new() for _ in range(SYSTEM_BLOCKS)]
-    events: list[tuple[float, int, str, tuple[BlockKey, ...]]] = []
-    seq = 0
-
-    def emit(t: float, session: str, ks: tuple[BlockKey, ...]) -> None:
-        nonlocal seq
-        events.append((t, seq, session, ks))
-        seq += 1
-
-    # sensor sessions: one per asset, a tick every 3 s
-    for a in range(assets):
-        s = _Sess(f"asset-{a}", [keys.new() for _ in range(16)], window=24, grow_every=4)
+    b = TraceBuilder()
+    system = b.new_blocks(SYSTEM_BLOCKS)
+    for a in range(assets):  # sensor sessions: one per asset, a tick every 3 s
+        s = _Sess(f"asset-{a}", b.new_blocks(16), window=24, grow_every=4)
         t = 0.3 * a
         while t < duration_s:
-            emit(t, s.name, _touch(s, system, keys))
+            b.add(t, s.name, _touch(s, system, b))
             t += 3.0
-    # operator chat sessions, Zipf popularity, bursts of 10 requests within seconds
-    chats = [_Sess(f"chat-{i}", [keys.new() for _ in range(int(rng.integers(6, 24)))],
-                   window=40, grow_every=3) for i in range(chat_sessions)]
-    w = _zipf_weights(chat_sessions, zipf_a)
+    chats = [_Sess(f"chat-{i}", b.new_blocks(int(rng.integers(6, 24))), window=40, grow_every=3)
+             for i in range(chat_sessions)]
+    w = _zipf(chat_sessions, zipf_a)
     t = 0.0
-    while True:
+    while True:  # operator chats, Zipf popularity, bursts of 10 requests within seconds
         t += float(rng.exponential(burst_every_s))
         if t >= duration_s:
             break
         s = chats[int(rng.choice(chat_sessions, p=w))]
         bt = t
         for _ in range(10):
-            emit(bt, s.name, _touch(s, system, keys))
+            b.add(bt, s.name, _touch(s, system, b))
             bt += float(rng.uniform(0.3, 1.5))
-    # sessions idle for hours, then resumed with a short burst
-    for i in range(idle_sessions):
-        s = _Sess(f"idle-{i}", [keys.new() for _ in range(int(rng.integers(8, 20)))],
-                  window=40, grow_every=2)
+    for i in range(idle_sessions):  # idle for up to an hour, then resumed with a short burst
+        s = _Sess(f"idle-{i}", b.new_blocks(int(rng.integers(8, 20))), window=40, grow_every=2)
         t0 = float(rng.uniform(0, 600))
         for j in range(4):
-            emit(t0 + j * 2.0, s.name, _touch(s, system, keys))
-        t1 = t0 + float(rng.uniform(1800, 3300))  # resumed after up to ~an hour of silence
+            b.add(t0 + j * 2.0, s.name, _touch(s, system, b))
+        t1 = t0 + float(rng.uniform(1800, 3300))
         if t1 < duration_s:
             for j in range(4):
-                emit(t1 + j * 2.0, s.name, _touch(s, system, keys))
-    # a week of archived sessions (cold at start), scanned by report jobs chunk by chunk
-    archive = [(f"archive-{i}", [keys.new() for _ in range(int(rng.integers(16, 40)))])
+                b.add(t1 + j * 2.0, s.name, _touch(s, system, b))
+    archive = [(f"archive-{i}", b.new_blocks(int(rng.integers(16, 40))))
                for i in range(archived_sessions)]
-    preload = [(k, name) for name, bl in archive for k in bl]
+    for _, bl in archive:
+        b.preload(bl)
     t = 120.0
-    while t < duration_s:
+    while t < duration_s:  # report jobs scan a week of archived sessions chunk by chunk
         rt = t
         for name, bl in archive:
             for lo in range(0, len(bl), 8):
-                emit(rt, f"report:{name}", tuple(bl[lo: lo + 8]))
+                b.add(rt, f"report:{name}", bl[lo: lo + 8])
                 rt += 0.05
         t += report_every_s
-    return _finish("seed", events, preload, duration_s)
+    return b.finish("seed")
 
 
 def pure_scan(seed: int = 0, *, sessions: int = 300, chunk: int = 8,
-              gap_s: float = 0.05) -> Workload:
+              gap_s: float = 0.05) -> RequestTrace:
     """Archived sessions (cold at start) each read once, sequentially, `chunk` blocks at a time."""
     rng = np.random.default_rng(seed)
-    keys = _Keys()
-    archive = [(f"archive-{i}", [keys.new() for _ in range(int(rng.integers(16, 48)))])
-               for i in range(sessions)]
-    events: list[tuple[float, int, str, tuple[BlockKey, ...]]] = []
+    b = TraceBuilder()
     t = 0.0
-    for name, bl in archive:
+    for i in range(sessions):
+        bl = b.new_blocks(int(rng.integers(16, 48)))
+        b.preload(bl)
         for lo in range(0, len(bl), chunk):
-            events.append((t, len(events), name, tuple(bl[lo: lo + chunk])))
+            b.add(t, f"archive-{i}", bl[lo: lo + chunk])
             t += gap_s
-    preload = [(k, name) for name, bl in archive for k in bl]
-    return _finish("scan", events, preload, t)
+    return b.finish("scan")
 
 
 def shifting_popularity(seed: int = 0, *, duration_s: float = 3600.0, sessions: int = 200,
                         zipf_a: float = 1.0, shift_every_s: float = 600.0,
-                        rate_per_s: float = 2.0) -> Workload:
+                        rate_per_s: float = 2.0) -> RequestTrace:
     """Zipf-popular chat sessions; every `shift_every_s` the popularity ranking is reshuffled."""
     rng = np.random.default_rng(seed)
-    keys = _Keys()
-    system = [keys.new() for _ in range(SYSTEM_BLOCKS)]
-    ss = [_Sess(f"chat-{i}", [keys.new() for _ in range(int(rng.integers(6, 24)))],
-                window=32, grow_every=4) for i in range(sessions)]
-    w = _zipf_weights(sessions, zipf_a)
+    b = TraceBuilder()
+    system = b.new_blocks(SYSTEM_BLOCKS)
+    ss = [_Sess(f"chat-{i}", b.new_blocks(int(rng.integers(6, 24))), window=32, grow_every=4)
+          for i in range(sessions)]
+    w = _zipf(sessions, zipf_a)
     rank = rng.permutation(sessions)
-    events: list[tuple[float, int, str, tuple[BlockKey, ...]]] = []
     t, next_shift = 0.0, shift_every_s
     while True:
         t += float(rng.exponential(1.0 / rate_per_s))
@@ -169,15 +285,10 @@ def shifting_popularity(seed: int = 0, *, duration_s: float = 3600.0, sessions: 
             rank = rng.permutation(sessions)
             next_shift += shift_every_s
         s = ss[int(rank[int(rng.choice(sessions, p=w))])]
-        events.append((t, len(events), s.name, _touch(s, system, keys)))
-    return _finish("shifting", events, [], duration_s)
+        b.add(t, s.name, _touch(s, system, b))
+    return b.finish("shifting")
 
 
-def _finish(name: str, events: list[tuple[float, int, str, tuple[BlockKey, ...]]],
-            preload: list[tuple[BlockKey, str]], duration: float) -> Workload:
-    events.sort(key=lambda e: (e[0], e[1]))
-    reqs = [Request(i, t, s, ks) for i, (t, _, s, ks) in enumerate(events)]
-    return Workload(name, reqs, preload, duration)
-
-
-STANDARD = {"seed": seed_workload, "scan": pure_scan, "shifting": shifting_popularity}
+STANDARD: dict[str, Callable[..., RequestTrace]] = {
+    "multiturn": multiturn, "edge-agent": edge_agent, "seed": seed_workload, "scan": pure_scan,
+    "shifting": shifting_popularity}

@@ -32,6 +32,8 @@ so `match_prefix` finds those blocks after a restart.
 
 from __future__ import annotations
 
+import itertools
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -46,6 +48,7 @@ from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdTier, ColdTierFactor
 from kvagentd.kvcache.coldlink import ColdLink
 from kvagentd.kvcache.mover import Mover
 from kvagentd.kvcache.persist import load_table, persist_blocks
+from kvagentd.kvcache.placement.base import BlockStates, block_states
 from kvagentd.kvcache.pool import BlockPool
 from kvagentd.kvcache.room import ROUNDS
 from kvagentd.kvcache.state import STATE_TIER, BlockMeta, BlockState, transition
@@ -461,3 +464,33 @@ class TieredKVStore(KVStore):
             self.persist()
         if self._cold is not None:
             self._cold.close()
+
+    # -- placement's view of a few blocks (`placement.base.PlacementStore`) -------------------
+    def block_states(self, keys: Sequence[BlockKey]) -> BlockStates:
+        """Tier (None while moving or lost), idleness (settled, unused, unpinned) and last use
+        of each of `keys`, in O(len(keys)): what a placement round needs of the blocks it
+        looks at, without a snapshot of every block."""
+        with self._cond:
+            ms = list(map(self._t.meta.get, keys))
+            return block_states(
+                [m is not None for m in ms], [m.tier if m is not None else None for m in ms],
+                [m is not None and m.tier is not None and m.users == 0 and m.pins == 0
+                 for m in ms],
+                [m.last_access if m is not None else 0.0 for m in ms])
+
+    def least_recent_idle(self, tier: Tier, n: int) -> list[BlockKey]:
+        """Up to `n` idle blocks of the hot or warm tier, least recently used first: the order
+        in which the store's own room-making demotes them. O(n)."""
+        with self._cond:
+            return list(itertools.islice(self._t.idle[tier], max(0, n)))
+
+    def sample_idle(self, tier: Tier, n: int) -> list[BlockKey]:
+        """Idle blocks of the hot or warm tier found in `n` slots drawn at random (distinct,
+        at most `n`; fewer where slots are free or busy). O(n)."""
+        cap = self._pools[tier].capacity
+        if n <= 0 or cap == 0:
+            return []
+        slots = random.sample(range(cap), min(n, cap))
+        with self._cond:
+            owners, idle = self._t.owners[tier], self._t.idle[tier]
+            return [k for s in slots if (k := owners.get(s)) is not None and k in idle]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from kvagentd.config import KVConfig, PlacementConfig
+import json
+
+import numpy as np
+
 from kvagentd.kvcache.base import Tier
-from kvagentd.kvcache.placement.heat import HeatMap, SessionHeat
-from kvagentd.kvcache.placement import AccessFeed, PlacementService
-from kvagentd.kvcache.placement.policy import Capacities, Reason
+from kvagentd.kvcache.placement.base import CODE_OF, Capacities, Reason
 from kvagentd.kvcache.placement.prefetch import Prefetcher
-from bench.placement_sim.replay import Latencies, SimClock, SimStore
+from kvagentd.kvcache.placement.summary import SessionSummary
+
+from .sim_env import Env, key
 
 
 def k(s: str, i: int) -> bytes:
@@ -75,74 +78,57 @@ def test_neighbour_prefetch_after_a_cold_read():
 
 
 def test_service_turns_a_cold_read_into_a_background_prefetch():
-    clock = SimClock(0.0)
-    caps = Capacities(8, 8)
-    feed = AccessFeed(clock=clock)
-    store = SimStore(caps, Latencies(), 100, clock, feed.record)
-    blocks = [k("r", i) for i in range(6)]
-    store.preload_cold([(x, "r") for x in blocks], 0.0)
-    # thresholds out of reach: heat alone never promotes, only the neighbour prefetch does
-    cfg = PlacementConfig(policy="heat+prefetch", hot_factor=100.0, warm_factor=100.0)
-    svc = PlacementService(store, feed, cfg, KVConfig(), clock=clock, persist_summary=False)
-    store.access("r", blocks)  # the session's block order is learned
-    store.demote(blocks, Tier.COLD)
-    clock.t = 5.0
-    svc.run_round()  # the access path now knows these blocks are cold
-    store.access("r", blocks[:2])
-    svc.ingest()
-    assert svc.trace.events()[-1].tier is Tier.COLD
-    assert svc.flush_prefetch() == 4  # neighbour_blocks = 8, four blocks follow
-    assert set(store.pending) == set(blocks[2:])
-    clock.t = 6.0
-    store.complete_pending(clock.t)
-    assert all(store.blocks[x].tier is Tier.WARM for x in blocks[2:])
+    env = Env(Capacities(8, 8), 6, "heat+prefetch", sessions=("r",), hot_factor=100.0)
+    blocks = list(range(6))
+    env.store.preload_cold(np.array(blocks), 0.0)
+    env.use(0.0, blocks)  # the session's block order is learned
+    env.svc.ingest()
+    env.store.demote([key(i) for i in blocks], Tier.COLD)
+    env.svc.stats.moved(env.svc.stats.rows_of([key(i) for i in blocks]), CODE_OF[Tier.COLD])
+    env.use(5.0, blocks[:2])  # read from cold
+    assert env.svc.flush_prefetch() == 4  # neighbour_blocks = 8, four blocks follow
+    assert env.svc.trace.events()[-1].tier is Tier.COLD
+    assert env.store.pending == set(blocks[2:])
+    env.clock.t = 5.2
+    env.store.complete_pending(env.clock.t)
+    assert env.tiers(blocks[2:]) == [Tier.WARM] * 4
+    env.use(5.5, blocks[:2])  # from hot now: nothing more to prefetch
+    assert env.svc.flush_prefetch() == 0
 
 
-def test_lru_and_heat_do_not_prefetch_neighbours():
-    clock = SimClock(0.0)
-    caps = Capacities(8, 8)
-    feed = AccessFeed(clock=clock)
-    store = SimStore(caps, Latencies(), 100, clock, feed.record)
-    blocks = [k("r", i) for i in range(6)]
-    store.preload_cold([(x, "r") for x in blocks], 0.0)
-    svc = PlacementService(store, feed, PlacementConfig(policy="lru"), KVConfig(), clock=clock,
-                           persist_summary=False)
-    store.access("r", blocks)
-    store.demote(blocks, Tier.COLD)
-    svc.run_round()
-    store.access("r", blocks[:2])
-    assert svc.flush_prefetch() == 0 and not store.pending
+def test_lru_and_reuse_do_not_prefetch_neighbours():
+    for policy in ("lru", "reuse"):
+        env = Env(Capacities(8, 8), 6, policy, sessions=("r",))
+        blocks = list(range(6))
+        env.store.preload_cold(np.array(blocks), 0.0)
+        env.use(0.0, blocks)
+        env.store.demote([key(i) for i in blocks], Tier.COLD)
+        env.clock.t = 1.0
+        env.svc.run_round()
+        env.use(2.0, blocks[:2])
+        assert env.svc.flush_prefetch() == 0 and not env.store.pending
 
 
-def test_warmup_loads_the_hottest_sessions_before_the_first_tick(tmp_path):
-    clock = SimClock(0.0)
-    caps = Capacities(4, 8)
-    feed = AccessFeed(clock=clock)
-    store = SimStore(caps, Latencies(), 100, clock, feed.record)
-    hot_s = [k("h", i) for i in range(3)]
-    mid_s = [k("m", i) for i in range(3)]
-    cold_s = [k("c", i) for i in range(3)]
-    store.preload_cold([(x, "s") for x in hot_s + mid_s + cold_s], 0.0)
-    h = HeatMap(16)
-    for _ in range(5):
-        h.record(hot_s, "hot")
-    h.record(cold_s, "cold")
-    h.record(mid_s, "mid")
-    h.record([k("z", 0)], "other")
-    h.record([k("z", 1)], "other2")
-    path = tmp_path / "heat.json"
-    h.save_summary(path)
-    svc = PlacementService(store, feed, PlacementConfig(warmup_sessions=2), KVConfig(), clock=clock,
-                           summary_path=path)
-    assert svc.warmup() == 6
-    tiers = {x: b.tier for x, b in store.blocks.items()}
-    assert [tiers[x] for x in hot_s[1:]] == [Tier.HOT, Tier.HOT]  # hot budget: caps.hot // 2
-    assert tiers[hot_s[0]] is Tier.WARM and all(tiers[x] is Tier.WARM for x in mid_s)
-    assert all(tiers[x] is Tier.COLD for x in cold_s)
+def test_warmup_loads_the_most_used_sessions_before_the_first_tick(tmp_path):
+    path = tmp_path / "summary.json"
+    summary = {"version": 2, "sessions": [
+        {"session": "hot", "score": 9.0, "keys": [key(i).hex() for i in (0, 1, 2)]},
+        {"session": "mid", "score": 5.0, "keys": [key(i).hex() for i in (3, 4, 5)]},
+        {"session": "cold", "score": 1.0, "keys": [key(i).hex() for i in (6, 7, 8)]}]}
+    path.write_text(json.dumps(summary))
+    env = Env(Capacities(4, 8), 9, "reuse", summary_path=path, warmup_sessions=2)
+    env.store.preload_cold(np.arange(9), 0.0)
+    assert env.svc.warmup() == 6
+    # hot budget: caps.hot // 2 = 2, for the last blocks of the top session; the rest warm
+    assert env.tiers([1, 2]) == [Tier.HOT, Tier.HOT]
+    assert env.tiers([0, 3, 4, 5]) == [Tier.WARM] * 4
+    assert env.tiers([6, 7, 8]) == [Tier.COLD] * 3
+    env.svc.stop()  # saves the summary of what it saw (nothing used yet: an empty one)
+    assert json.loads(path.read_text())["sessions"] == []
 
 
 def test_warmup_wants_orders_and_splits():
     p = Prefetcher()
-    summary = [SessionHeat("a", 5.0, (k("a", 0), k("a", 1))), SessionHeat("b", 1.0, (k("b", 0),))]
+    summary = [SessionSummary("a", 5.0, (k("a", 0), k("a", 1))), SessionSummary("b", 1.0, (k("b", 0),))]
     got = p.warmup_wants(summary, 2, hot_blocks=1)
     assert got == [([k("a", 1)], Tier.HOT), ([k("a", 0)], Tier.WARM), ([k("b", 0)], Tier.WARM)]

@@ -1,12 +1,19 @@
-"""Trace ring, dump/load in both formats, regrouping into requests."""
+"""The daemon's block-access trace: the ring, dump/load in both formats, the control routes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvagentd.kvcache.base import Tier
-from bench.placement_sim.request_trace import to_requests
+from kvagentd.kvcache.placement.base import CODE_OF
 from kvagentd.kvcache.placement.trace_recorder import TraceRecorder, load_trace
+
+from .sim_env import Env
+
+
+def codes(*tiers: Tier | None) -> np.ndarray:
+    return np.array([CODE_OF[t] for t in tiers], dtype=np.int8)
 
 
 def k(i: int) -> bytes:
@@ -16,11 +23,31 @@ def k(i: int) -> bytes:
 def test_ring_keeps_the_last_events():
     r = TraceRecorder(5)
     for t in range(4):
-        r.record(t, float(t), "s", [k(t), k(t + 100)], [Tier.HOT, None])
+        r.record(t, float(t), f"s{t % 2}", [k(t), k(t + 100)], codes(Tier.HOT, None))
     ev = r.events()
     assert len(ev) == 5 and r.recorded == 8
-    assert ev[-1].key == k(103) and ev[0].tick == 1
-    assert r.stats()["by_tier"] == {"hot": 2, "warm": 0, "cold": 0, "unknown": 3}
+    assert ev[-1].key == k(103) and ev[0].tick == 1 and ev[0].tier is None
+    assert [(e.tick, e.session) for e in ev] == [(1, "s1"), (2, "s0"), (2, "s0"), (3, "s1"),
+                                                 (3, "s1")]
+    st = r.stats()
+    assert st["by_tier"] == {"hot": 2, "warm": 0, "cold": 0, "unknown": 3}
+    assert st["sessions"] == 2 and st["blocks"] == 5 and st["span_s"] == 2.0
+
+
+def test_a_request_longer_than_the_ring_keeps_its_last_blocks_and_keys_are_checked():
+    r = TraceRecorder(3)
+    r.record(0, 0.0, "s", [k(i) for i in range(5)])
+    assert [e.key for e in r.events()] == [k(2), k(3), k(4)] and r.recorded == 5
+    with pytest.raises(ValueError):
+        r.record(1, 1.0, "s", [b"short"])
+
+
+def test_session_names_stay_bounded():
+    r = TraceRecorder(4)
+    for i in range(3000):
+        r.record(i, float(i), f"s{i}", [k(i)])
+    assert len(r._names) < 2 * 4 + 1024 + 1
+    assert [e.session for e in r.events()] == [f"s{i}" for i in range(2996, 3000)]
 
 
 def test_zero_capacity_records_nothing():
@@ -32,16 +59,16 @@ def test_zero_capacity_records_nothing():
 @pytest.mark.parametrize("suffix", [".jsonl", ".npz"])
 def test_dump_and_load_round_trip(tmp_path, suffix):
     r = TraceRecorder(100)
-    r.record(0, 10.5, "a", [k(1), k(2)], [Tier.COLD, Tier.WARM])
+    r.record(0, 10.5, "a", [k(1), k(2)], codes(Tier.COLD, Tier.WARM))
     r.record(1, 11.0, "b", [k(3)], None)
-    r.record(2, 12.25, "a", [k(1)], [Tier.HOT])
+    r.record(2, 12.25, "a", [k(1)], codes(Tier.HOT))
     path = tmp_path / f"t{suffix}"
     assert r.dump(path) == 4
     back = load_trace(path)
     assert back == r.events()
-    reqs = to_requests(back)
-    assert [(q.tick, q.session, q.keys) for q in reqs] == [
-        (0, "a", (k(1), k(2))), (1, "b", (k(3),)), (2, "a", (k(1),))]
+    assert [(e.tick, e.session, e.key, e.tier) for e in back] == [
+        (0, "a", k(1), Tier.COLD), (0, "a", k(2), Tier.WARM), (1, "b", k(3), None),
+        (2, "a", k(1), Tier.HOT)]
 
 
 def test_load_rejects_a_foreign_file(tmp_path):
@@ -63,27 +90,21 @@ def test_control_routes_dump_stream_and_status(tmp_path):
     import json
     import types
 
-    from kvagentd.config import KVConfig, PlacementConfig
     from kvagentd.control.errors import BadRequest, NotReady
     from kvagentd.control.handlers import placement as handler
     from kvagentd.control.router import Response, Router
-    from kvagentd.kvcache.placement import AccessFeed, PlacementService
-    from kvagentd.kvcache.placement.policy import Capacities
-    from bench.placement_sim.replay import Latencies, SimClock, SimStore
+    from kvagentd.kvcache.placement.base import Capacities
 
-    clock = SimClock(5.0)
-    feed = AccessFeed(clock=clock)
-    store = SimStore(Capacities(4, 4), Latencies(), 100, clock, feed.record)
-    svc = PlacementService(store, feed, PlacementConfig(), KVConfig(), clock=clock,
-                           persist_summary=False)
-    store.access("a", [k(1), k(2)])
+    env = Env(Capacities(4, 4), 4, "lru", sessions=("a",))
+    env.use(5.0, [1, 2])
+    svc = env.svc
     svc.ingest()
     config = types.SimpleNamespace(daemon=types.SimpleNamespace(state_dir=tmp_path))
     daemon = types.SimpleNamespace(placement=svc, config=config)
     router = Router()
     handler.register(router, daemon)
     route, st = _call(router, "GET", "/v1/placement")
-    assert not route.change and st["policy"] == "heat+prefetch" and st["heat"]["blocks"] == 2
+    assert not route.change and st["policy"] == "lru" and st["blocks"] == 2
     route, out = _call(router, "POST", "/v1/trace/dump", b'{"name": "t.jsonl"}')
     assert route.change and out["events"] == 2 and out["path"] == str(tmp_path / "dumps/t.jsonl")
     assert [e.key for e in load_trace(tmp_path / "dumps/t.jsonl")] == [k(1), k(2)]

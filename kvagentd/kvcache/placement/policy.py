@@ -1,466 +1,354 @@
-"""Placement policies: pure functions from (snapshot, heat, capacities, now) to an immutable Plan.
+"""Placement policies: pure functions from a round's view to an immutable `Plan`.
 
-A `Plan` is a tuple of `Move`s, ordered so that demotions free room before promotions use it,
-that never takes a tier over its capacity at any step (given a start within capacity), and
-that holds at most `max_moves` migrations plus at most `max_moves` evictions.
+A round looks only at the blocks it has to decide about, never at every stored block: when the
+hot or warm tier has less free room than its head-room (`headroom_fraction` of its capacity),
+the service gathers candidates there (the store's least recently used idle blocks, a bounded
+random sample of idle blocks and, in hot, the blocks used since hot was last short) and the
+policy picks which of them go down, and how far. Each policy ranks candidates by a score
+(lowest leaves first) and demotes enough to restore the head-room plus a batch
+(`batch_fraction`), so most rounds find nothing to do and a decision's cost is spread over a
+batch. Candidates are rows of `AccessStats`; keys are looked up only for the blocks that move.
 
 Policies (peers, selectable by `placement.policy`):
-- `lru`: keeps head-room in hot and warm by demoting the least recently used idle blocks;
-  never promotes ahead of a request.
-- `heat`: ranks blocks by heat (see `heat.py`); hot = heat >= hot_factor x mean, warm = heat
-  >= warm_factor x mean, filled by heat within capacity. Incumbents get a hysteresis bonus
-  (their heat counts x (1 + hysteresis)) and idle incumbents keep their tier while there is
-  room, so blocks do not ping-pong. Blocks below threshold are never promoted.
+- `lru`: the least recently used idle blocks go down one tier (hot -> warm -> cold), as the
+  store's own room-making would do; never promotes ahead of a request.
+- `heat`: ranks by heat (`heat.py`); a hot victim ranked below what warm keeps goes straight to
+  cold; promotes sampled warm blocks whose heat passes `hot_factor` x the mean heat looked at
+  into free hot room.
 - `heat+prefetch`: `heat` plus the wants of a `Prefetcher` (predictive preload, co-access,
-  neighbours), ranked above heat-eligible blocks and moved with the background I/O queue.
-All policies: pinned blocks stay; in-use blocks stay hot; unpinned idle cold blocks whose last
-access is older than the cold TTL are evicted.
+  neighbours), moved with the background I/O queue into free room.
+- `reuse`: ranks by predicted reuse (`reuse_density`): the probability that the block is used
+  again, from its category (the system prompt of its application) and use count, over the
+  expected time until then, from its own gaps or its category's. A block whose rank is below
+  what warm keeps goes straight to cold. This is admission control: a block used once, of an
+  application whose blocks are rarely used twice, leaves hot first, however recent.
+Pinned blocks and blocks in use are never moved (the store skips them: a plan is best effort);
+cold TTL expiry is the store's (maintenance).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from abc import ABC, abstractmethod
-from collections import deque
-from dataclasses import dataclass
-from operator import itemgetter
-from typing import TYPE_CHECKING
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..base import BlockInfo, BlockKey, Tier
-
-from .heat import gather
-
-if TYPE_CHECKING:
-    from .heat import HeatMap
-
-# Column codes of a snapshot view. NOTE: codes live only inside numpy columns; tiers
-# themselves are compared as enums through these tables, never by ordinal.
-HOT, WARM, COLD, NONE = 0, 1, 2, 3
-_CODE = {Tier.HOT: HOT, Tier.WARM: WARM, Tier.COLD: COLD, None: NONE}
-_TIER = {HOT: Tier.HOT, WARM: Tier.WARM, COLD: Tier.COLD}
-_LEVEL = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
-# NOTE: Enum.__hash__ runs in Python; mapping member identities keeps a 100k-block snapshot cheap
-_CODE_BY_ID = {id(t): c for t, c in _CODE.items()}
-_col = [itemgetter(i) for i in range(7)]
-
-HEADROOM_FRACTION = 0.05  # free share of hot / warm kept for new blocks and foreground reads
-
-
-class Reason(enum.Enum):
-    HEAT = "heat"
-    LRU = "lru"
-    CAPACITY = "capacity"
-    TTL = "ttl"
-    PREDICT = "prefetch-predict"
-    COACCESS = "prefetch-coaccess"
-    NEIGHBOUR = "prefetch-neighbour"
-    WARMUP = "warmup"
-
-    @property
-    def is_prefetch(self) -> bool:
-        return self in _PREFETCH
-
-
-_PREFETCH = frozenset({Reason.PREDICT, Reason.COACCESS, Reason.NEIGHBOUR, Reason.WARMUP})
-
-
-class Action(enum.Enum):
-    PROMOTE = "promote"
-    DEMOTE = "demote"
-    EVICT = "evict"
-
-
-@dataclass(frozen=True, slots=True)
-class Move:
-    """Move `key` from `src` to `dst`; `dst=None` means evict (forget the block)."""
-
-    key: BlockKey
-    src: Tier
-    dst: Tier | None
-    reason: Reason
-
-    @property
-    def action(self) -> Action:
-        if self.dst is None:
-            return Action.EVICT
-        return Action.PROMOTE if _LEVEL[self.dst] < _LEVEL[self.src] else Action.DEMOTE
-
-    @property
-    def background(self) -> bool:
-        """Use the store's low-priority I/O queue (prefetch, or anything read from cold)."""
-        return self.reason.is_prefetch or self.src is Tier.COLD
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    moves: tuple[Move, ...]
-    policy: str
-    considered: int = 0  # blocks examined
-    mean_heat: float = 0.0
-
-    def __iter__(self) -> Iterator[Move]:
-        return iter(self.moves)
-
-    def __len__(self) -> int:
-        return len(self.moves)
-
-    def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in self.moves:
-            k = f"{m.action.value}:{m.reason.value}"
-            out[k] = out.get(k, 0) + 1
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class Capacities:
-    """Tier capacities in blocks (cold is bounded by bytes in the store, not here)."""
-
-    hot: int
-    warm: int
-
-
-@dataclass(frozen=True, slots=True)
-class Want:
-    """A prefetch wish: bring `key` up to `tier` (never down)."""
-
-    tier: Tier
-    reason: Reason
+from ..base import BlockKey, Tier
+from .base import TIER_OF, Capacities, MoveBatch, Plan, Reason, Want
+from .heat import HeatMap
+from .stats import AccessStats, ReuseTables
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyParams:
-    hot_factor: float = 1.8
-    warm_factor: float = 0.9
-    hysteresis: float = 0.2
-    window_fraction: float = 0.25
-    cold_ttl_s: float = 3600.0
-    headroom_fraction: float = HEADROOM_FRACTION
-    active_s: float = 2.0  # used this recently: never demoted just to restore head-room
+    hot_factor: float = 1.8  # heat: promote at >= hot_factor x the mean heat looked at
+    warm_factor: float = 0.9  # heat: kept for the configuration's sake (ranking decides)
+    hysteresis: float = 0.2  # heat: a rising block must be this much hotter than the mean
+    window_fraction: float = 0.25  # demotions (and promotions) per round <= this share of hot
+    headroom_fraction: float = 0.03  # free share of hot / warm kept for foreground requests
+    batch_fraction: float = 0.03  # demote at least this share of capacity when short
+    sample: int = 64  # random idle blocks looked at per tier that needs room (at least)
+    lru_candidates: int = 32  # least recently used idle blocks looked at (at least)
+    sample_per_victim: float = 1.0  # scoring policies: random blocks looked at per block to move
+    lru_per_victim: float = 1.0  # scoring policies: least recent blocks looked at per block
 
     def max_moves(self, caps: Capacities) -> int:
         return max(1, int(self.window_fraction * caps.hot))
 
+    def headroom(self, cap: int) -> int:
+        return int(math.ceil(cap * self.headroom_fraction)) if cap >= 4 else 0
 
-@dataclass(slots=True)
-class SnapshotView:
-    """Columns of a store snapshot (one row per block with a tier)."""
+    def batch(self, cap: int) -> int:
+        return max(1, int(cap * self.batch_fraction))
 
-    keys: list[BlockKey]
-    tier: np.ndarray  # int8 codes HOT/WARM/COLD/NONE
-    pinned: np.ndarray
-    in_use: np.ndarray
-    last_access: np.ndarray
 
-    @classmethod
-    def of(cls, snapshot: Sequence[BlockInfo]) -> SnapshotView:
-        n = len(snapshot)
-        code = _CODE_BY_ID.__getitem__
-        return cls(list(map(_col[0], snapshot)),
-                   np.fromiter(map(code, map(id, map(_col[1], snapshot))), np.int8, n),
-                   np.fromiter(map(_col[2], snapshot), bool, n),
-                   np.fromiter(map(_col[3], snapshot), bool, n),
-                   np.fromiter(map(_col[5], snapshot), np.float64, n))
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """Blocks a round may move: `AccessStats` rows (scoring policies), or the store's own
+    keys in its idle LRU order (`keys`, then `rows` is empty)."""
+
+    rows: np.ndarray  # int64
+    tier: np.ndarray  # int8 code of where each is (as far as placement knows)
+    keys: Sequence[BlockKey] | None = None
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.keys) if self.keys is not None else int(self.rows.shape[0])
+
+    def without(self, rows: np.ndarray) -> Candidates:
+        """These candidates but `rows` (row-based candidates only)."""
+        if self.keys is not None or rows.size == 0:
+            return self
+        keep = ~np.isin(self.rows, rows)
+        return Candidates(self.rows[keep], self.tier[keep])
+
+    def keys_at(self, stats: AccessStats, idx: np.ndarray) -> list[BlockKey]:
+        if self.keys is not None:
+            keys = self.keys
+            return [keys[i] for i in idx.tolist()]
+        return stats.keys_of(self.rows[idx])
+
+
+NO_CANDIDATES = Candidates(np.zeros(0, np.int64), np.zeros(0, np.int8))
+
+
+@dataclass(frozen=True, slots=True)
+class RoundView:
+    """What one round knows: room per tier and the candidates it gathered."""
+
+    now: float
+    caps: Capacities
+    free: Mapping[Tier, int]  # free slots of hot and warm
+    victims: Mapping[Tier, Candidates]  # idle blocks of hot and of warm (tiers short of room)
+    risers: Candidates = NO_CANDIDATES  # warm or cold blocks a policy may promote
+    wants: Mapping[int, Want] = field(default_factory=dict)  # prefetch wishes, by row
+    incoming: Mapping[Tier, int] = field(default_factory=dict)  # room the wishes need
+
+    def need(self, tier: Tier, params: PolicyParams) -> int:
+        """Blocks to move out of `tier` now (0 while its free room covers the head-room and
+        the wished-for prefetches)."""
+        cap = self.caps.of(tier)
+        short = params.headroom(cap) - self.free.get(tier, 0) + self.incoming.get(tier, 0)
+        return short + params.batch(cap) if short > 0 else 0
 
 
 class PlacementPolicy(ABC):
-    """One interface for every policy."""
+    """One interface for every policy. `wants_sample`: whether candidates should include a
+    random sample and the recently used blocks (scoring policies), not only the LRU tail."""
 
     name: str
+    wants_sample = True
+    uses_heat = False
+    uses_prefetch = False
 
     def __init__(self, params: PolicyParams) -> None:
         self.params = params
 
     @abstractmethod
-    def plan(self, snapshot: Sequence[BlockInfo] | SnapshotView, heat: HeatMap,
-             capacities: Capacities, now: float) -> Plan:
-        """A plan for this round; `now` is wall-clock seconds (cold TTL). `snapshot` is the
-        store's snapshot or its columns (`SnapshotView.of(snapshot)`)."""
-
-
-def _view(snapshot: Sequence[BlockInfo] | SnapshotView) -> SnapshotView:
-    return snapshot if isinstance(snapshot, SnapshotView) else SnapshotView.of(snapshot)
+    def plan(self, view: RoundView, stats: AccessStats, heat: HeatMap | None) -> Plan:
+        """The moves of this round (see module docstring)."""
 
 
 # ------------------------------------------------------------------------------------------
-# Shared machinery: targets -> feasible, capped, ordered moves
+# Shared machinery: scores -> ordered, capped batches
 # ------------------------------------------------------------------------------------------
 
-def _expired(v: SnapshotView, now: float, ttl: float) -> np.ndarray:
-    out: np.ndarray = (v.tier == COLD) & ~v.pinned & ~v.in_use & ((now - v.last_access) > ttl)
+@dataclass(slots=True)
+class _Budget:
+    left: int
+
+    def take(self, idx: np.ndarray) -> np.ndarray:
+        out = idx[:max(0, self.left)]
+        self.left -= out.size
+        return out
+
+
+def _batch(stats: AccessStats, c: Candidates, idx: np.ndarray, src: Tier, dst: Tier,
+           reason: Reason) -> list[MoveBatch]:
+    if idx.size == 0:
+        return []
+    rows = c.rows[idx] if c.keys is None else None
+    return [MoveBatch(tuple(c.keys_at(stats, idx)), src, dst, reason, rows)]
+
+
+def _demotions(view: RoundView, stats: AccessStats, p: PolicyParams,
+               score: Mapping[Tier, np.ndarray], reason: Reason, budget: _Budget, *,
+               direct_to_cold: bool) -> list[MoveBatch]:
+    """Demote the lowest-scored candidates until hot and warm have their head-room back.
+
+    Hot victims go to warm; warm makes room for them and for its own head-room by sending its
+    lowest-scored candidates to cold. With `direct_to_cold`, hot victims compete with warm's
+    candidates for warm's slots, and those that lose go straight to cold. Order: everything
+    bound for cold first, then hot -> warm, so every step fits."""
+    hot = view.victims.get(Tier.HOT, NO_CANDIDATES)
+    warm = view.victims.get(Tier.WARM, NO_CANDIDATES)
+    s_hot = score.get(Tier.HOT, np.zeros(0))
+    s_warm = score.get(Tier.WARM, np.zeros(0))
+    n_hot = min(view.need(Tier.HOT, p), len(hot))
+    v_hot = budget.take(np.argsort(s_hot, kind="stable")[:max(0, n_hot)])
+    # warm room: its head-room once the hot victims have arrived
+    cap_w = view.caps.warm
+    short_w = (p.headroom(cap_w) + v_hot.size - view.free.get(Tier.WARM, 0)
+               + view.incoming.get(Tier.WARM, 0))
+    n_warm = short_w + p.batch(cap_w) if short_w > 0 else 0
+    out = np.zeros(v_hot.size, dtype=bool)  # hot victims that go straight to cold
+    if direct_to_cold and n_warm > 0 and v_hot.size:
+        s = np.concatenate([s_warm, s_hot[v_hot]])
+        order = np.argsort(s, kind="stable")[:min(n_warm, s.size)]
+        from_warm = order[order < len(warm)]
+        out[order[order >= len(warm)] - len(warm)] = True
+    else:
+        from_warm = np.argsort(s_warm, kind="stable")[:max(0, n_warm)]
+    from_warm = budget.take(from_warm)
+    # what warm cannot take (budget spent, or no candidates to free its room) goes to cold
+    room_w = view.free.get(Tier.WARM, 0) + from_warm.size
+    rest = v_hot[~out]
+    to_warm = rest[:max(0, room_w)]
+    hot_to_cold = np.concatenate([v_hot[out], rest[max(0, room_w):]])
+    return (_batch(stats, warm, from_warm, Tier.WARM, Tier.COLD, reason)
+            + _batch(stats, hot, hot_to_cold, Tier.HOT, Tier.COLD, reason)
+            + _batch(stats, hot, to_warm, Tier.HOT, Tier.WARM, reason))
+
+
+def _promotions(view: RoundView, stats: AccessStats, p: PolicyParams, eligible: np.ndarray,
+                score: np.ndarray, reasons: list[Reason], dst: list[Tier], budget: _Budget,
+                demoted: list[MoveBatch]) -> list[MoveBatch]:
+    """Promote eligible risers, best score first, into the room beyond the head-room that is
+    free once `demoted` has run (a promotion never displaces a block by itself)."""
+    room = {t: view.free.get(t, 0) - p.headroom(view.caps.of(t)) for t in (Tier.HOT, Tier.WARM)}
+    for b in demoted:
+        room[b.src] = room.get(b.src, 0) + len(b)
+        if b.dst in room:
+            room[b.dst] -= len(b)
+    groups: dict[tuple[Tier, Tier, Reason], list[int]] = {}
+    r = view.risers
+    for i in np.flatnonzero(eligible)[np.argsort(-score[eligible], kind="stable")].tolist():
+        t, src = dst[i], TIER_OF[int(r.tier[i])]
+        if budget.left < 1:
+            break
+        if room[t] < 1 or not t.above(src):
+            continue
+        room[t] -= 1
+        budget.left -= 1
+        groups.setdefault((src, t, reasons[i]), []).append(int(r.rows[i]))
+    out = []
+    for (src, d, why), rows in groups.items():
+        rr = np.asarray(rows, np.int64)
+        out.append(MoveBatch(tuple(stats.keys_of(rr)), src, d, why, rr))
     return out
 
 
-def _take_top(order: np.ndarray, eligible: np.ndarray, k: int) -> np.ndarray:
-    """First `k` indices of `order` that are eligible."""
-    if k <= 0:
-        return order[:0]
-    sel: np.ndarray = order[eligible[order]]
-    return sel[:k]
+# ------------------------------------------------------------------------------------------
+# Scores
+# ------------------------------------------------------------------------------------------
+
+_Z = np.linspace(-9.0, 9.0, 3601)
+_PHI = 0.5 * np.array([math.erfc(-z / math.sqrt(2.0)) for z in _Z])
 
 
-def _build_moves(v: SnapshotView, target: np.ndarray, score: np.ndarray, caps: Capacities,
-                 max_moves: int, reasons: Mapping[int, Reason], default_reason: Reason,
-                 expired: np.ndarray, bonus: float = 1.0,
-                 active_since: float = float("inf")) -> tuple[Move, ...]:
-    """Turn per-block target codes into a capped, feasible, ordered move list.
+def _norm_cdf(x: np.ndarray) -> np.ndarray:
+    """Standard normal CDF, interpolated on a 0.005 grid (|error| < 4e-6)."""
+    out: np.ndarray = np.interp(x, _Z, _PHI)
+    return out
 
-    Promotions are taken by `score` descending; each takes room from the free slots of its
-    destination or, when none is left, from the lowest-scored block that the targets demote
-    out of it (recursively for hot -> warm -> cold). Remaining budget goes to the other
-    wanted hot -> warm demotions that fit free warm slots (restoring hot head-room without
-    writing to cold: warm -> cold happens only when a block needs the room). Moves are
-    emitted in decision order, so a demotion that frees room always precedes the promotion
-    that needs it."""
-    tier = v.tier
-    movable = (tier != NONE) & ~v.pinned
-    free = {HOT: caps.hot - int((tier == HOT).sum()), WARM: caps.warm - int((tier == WARM).sum())}
-    down = movable & (target > tier) & ~v.in_use
-    up = movable & (target < tier)
-    dem = {src: deque(i for i in np.flatnonzero(down & (tier == src))[
-        np.argsort(score[down & (tier == src)], kind="stable")].tolist())
-        for src in (HOT, WARM)}
-    pro_idx = np.flatnonzero(up)
-    pro = pro_idx[np.argsort(-score[pro_idx], kind="stable")].tolist()
-    out: list[Move] = []  # in decision order: every step fits at the moment it runs
-    budget = max_moves
-    keys = v.keys
 
-    def reason(i: int) -> Reason:
-        return reasons.get(i, default_reason)
+PRIOR_ODDS = 0.5  # reuse odds of a block placement has no record of a use of
 
-    def demote_one(src: int, voluntary: bool = False) -> bool:
-        """Demote the coldest wanted block out of `src`; False if impossible. A voluntary
-        demotion (head-room only) never writes to cold and never displaces another block."""
-        nonlocal budget
-        q = dem[src]
-        while q:
-            i = q[0]
-            dst = int(target[i])
-            if voluntary:
-                if src == WARM or free[WARM] <= 0:
-                    return False
-                if v.last_access[i] > active_since:
-                    q.popleft()  # in active use: the next request would only pull it back
-                    continue
-                dst = WARM
-            if dst == WARM and free[WARM] <= 0:
-                if budget < 2 or not demote_one(WARM):
-                    # warm is full of blocks that are themselves going up (a swap): the
-                    # victim goes straight to cold, as the store's own fallback does
-                    dst = COLD
-            if budget < 1:
-                return False
-            q.popleft()
-            budget -= 1
-            free[src] += 1
-            if dst in free:
-                free[dst] -= 1
-            r = Reason.CAPACITY if default_reason is Reason.HEAT else default_reason
-            out.append(Move(keys[i], _TIER[src], _TIER[dst], r))
-            return True
-        return False
 
-    for i in pro:
-        if budget < 1:
-            break
-        dst = int(target[i])
-        if free[dst] <= 0:
-            # hysteresis: displace a block only for a clearly hotter one
-            q = dem[dst]
-            if q and score[i] <= score[q[0]] * bonus:
-                continue
-            if budget < 2 or not demote_one(dst):
-                continue
-        if budget < 1:
-            break
-        budget -= 1
-        free[dst] -= 1
-        src = int(tier[i])
-        if src in free:
-            free[src] += 1
-        out.append(Move(keys[i], _TIER[src], _TIER[dst], reason(i)))
-    while budget > 0 and dem[HOT]:
-        if not demote_one(HOT, voluntary=True):
-            break
-    # evictions move no data but each unlinks a record: oldest first, as many as migrations
-    exp = np.flatnonzero(expired)
-    if exp.size > max_moves:
-        exp = exp[np.argsort(v.last_access[exp], kind="stable")[:max_moves]]
-    evictions = tuple(Move(keys[i], Tier.COLD, None, Reason.TTL) for i in exp.tolist())
-    return evictions + tuple(out)
+def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
+                  tables: ReuseTables | None = None) -> np.ndarray:
+    """Expected uses per second of slot held: P(used again) / E[time until then].
+
+    With odds q (category and use count) and a log-normal time to the next use (mean mu,
+    deviation s, from the block's own gaps or its category's), a block idle for `a` seconds is
+    used again with probability q S(a) / (1 - q + q S(a)), S the survival of that time, and
+    then after E[T | T > a] - a more seconds. A block long overdue scores near zero; a block
+    with no recorded use (loaded, never used since) scores with the prior odds."""
+    q, mu, s = stats.reuse_model(rows, tables if tables is not None else stats.reuse_tables())
+    q = np.where(stats.count[rows] > 0, q, PRIOR_ODDS)
+    a = np.maximum(now - stats.last_t[rows], 1e-3)
+    la = np.log(a)
+    surv = np.maximum(1.0 - _norm_cdf((la - mu) / s), 1e-12)
+    qs = q * surv
+    after = np.exp(np.minimum(mu + 0.5 * s * s, 50.0)) * _norm_cdf((mu + s * s - la) / s)
+    out: np.ndarray = qs / ((1.0 - q + qs) * np.maximum(after / surv - a, 1.0))
+    return out
+
+
+def _heat_of(heat: HeatMap | None, stats: AccessStats, rows: np.ndarray) -> np.ndarray:
+    assert heat is not None, "heat policies keep a heat map"
+    return heat.heat(rows, stats.tick).astype(np.float64)
 
 
 # ------------------------------------------------------------------------------------------
 # Policies
 # ------------------------------------------------------------------------------------------
 
+def _considered(view: RoundView) -> int:
+    return sum(len(c) for c in view.victims.values()) + len(view.risers)
+
+
 class LRUPolicy(PlacementPolicy):
-    """Baseline: least recently used idle blocks move down to keep head-room."""
+    """Baseline: the least recently used idle blocks go down one tier to keep head-room."""
 
     name = "lru"
+    wants_sample = False
 
-    def plan(self, snapshot: Sequence[BlockInfo] | SnapshotView, heat: HeatMap,
-             capacities: Capacities, now: float) -> Plan:
-        v = _view(snapshot)
-        p = self.params
-        expired = _expired(v, now, p.cold_ttl_s)
-        score = v.last_access
-        target = v.tier.copy()
-        for src, nxt, cap in ((HOT, WARM, capacities.hot), (WARM, COLD, capacities.warm)):
-            keep = cap - _headroom(cap, p)
-            members = np.flatnonzero(target == src)
-            excess = members.size - keep
-            if excess > 0:
-                cand = members[~v.pinned[members] & ~v.in_use[members]]
-                victims = cand[np.argsort(score[cand], kind="stable")][:excess]
-                target[victims] = nxt
-        moves = _build_moves(v, target, score, capacities, p.max_moves(capacities), {},
-                             Reason.LRU, expired, 1.0, now - p.active_s)
-        return Plan(moves, self.name, len(v))
+    def plan(self, view: RoundView, stats: AccessStats, heat: HeatMap | None) -> Plan:
+        budget = _Budget(self.params.max_moves(view.caps))
+        score = {t: np.arange(len(c), dtype=np.float64) for t, c in view.victims.items()}
+        moves = _demotions(view, stats, self.params, score, Reason.LRU, budget,
+                           direct_to_cold=False)
+        return Plan(tuple(moves), self.name, _considered(view))
 
 
-def _headroom(cap: int, p: PolicyParams) -> int:
-    return int(math.ceil(cap * p.headroom_fraction)) if cap >= 4 else 0
+class ReusePolicy(PlacementPolicy):
+    """Predicted reuse decides what leaves hot and warm (see module docstring)."""
+
+    name = "reuse"
+
+    def plan(self, view: RoundView, stats: AccessStats, heat: HeatMap | None) -> Plan:
+        budget = _Budget(self.params.max_moves(view.caps))
+        tables = stats.reuse_tables()
+        score = {t: reuse_density(stats, c.rows, view.now, tables)
+                 for t, c in view.victims.items()}
+        moves = _demotions(view, stats, self.params, score, Reason.REUSE, budget,
+                           direct_to_cold=True)
+        return Plan(tuple(moves), self.name, _considered(view))
 
 
 class HeatPolicy(PlacementPolicy):
-    """Heat thresholds + capacity + hysteresis (see module docstring)."""
+    """Heat decides what leaves hot and warm, and which warm blocks come up."""
 
     name = "heat"
+    uses_heat = True
 
-    def wants(self, v: SnapshotView, heat: HeatMap, rows: np.ndarray,
-              now: float) -> dict[int, Want]:
-        """Snapshot indices to raise regardless of heat (none for plain `heat`);
-        `rows[i]` is the heat-map row of snapshot block i (-1: none)."""
-        return {}
-
-    def plan(self, snapshot: Sequence[BlockInfo] | SnapshotView, heat: HeatMap,
-             capacities: Capacities, now: float) -> Plan:
-        v = _view(snapshot)
+    def plan(self, view: RoundView, stats: AccessStats, heat: HeatMap | None) -> Plan:
         p = self.params
-        n = len(v)
-        if n == 0:
-            return Plan((), self.name, 0)
-        rows = heat.rows_of(v.keys)
-        h = gather(heat.heat(), rows)
-        tier = v.tier
-        placed = tier != NONE
-        mean = float(h[placed].mean()) if placed.any() else 0.0
-        hot_thr, warm_thr = p.hot_factor * mean, p.warm_factor * mean
-        bonus = np.float32(1.0 + p.hysteresis)
-        expired = _expired(v, now, p.cold_ttl_s)
-
-        wants = self.wants(v, heat, rows, now)
-        want_hot = np.zeros(n, dtype=bool)
-        want_warm = np.zeros(n, dtype=bool)
-        reasons: dict[int, Reason] = {}
-        for i, w in wants.items():
-            if tier[i] == NONE or expired[i]:
-                continue
-            if w.tier is Tier.HOT:
-                want_hot[i] = True
-            else:
-                want_warm[i] = True
-            reasons[i] = w.reason
-
-        fixed = ~placed | v.pinned
-        target = tier.copy()
-        free_pool = placed & ~fixed & ~expired
-        forced_hot = free_pool & v.in_use  # being decoded: stays hot
-        target[forced_hot] = HOT
-        pool = free_pool & ~v.in_use
-
-        # --- hot: forced, then prefetch wants, then heat-eligible, then idle incumbents
-        h_hot = np.where(tier == HOT, h * bonus, h)
-        fixed_hot = int(((tier == HOT) & fixed).sum()) + int(forced_hot.sum())
-        room = capacities.hot - fixed_hot
-        keep_room = room - _headroom(capacities.hot, p)
-        group = np.zeros(n, dtype=np.int8)
-        group[pool & (tier == HOT)] = 1
-        group[pool & (h_hot >= hot_thr) & (h > 0)] = 2
-        group[pool & want_hot] = 3
-        order = np.lexsort((-h_hot, -group))
-        # eligible blocks may use the head-room; idle incumbents only keep what is left of it
-        strong = _take_top(order, group >= 2, room)
-        weak = _take_top(order, group == 1, keep_room - strong.size)
-        hot_set = np.zeros(n, dtype=bool)
-        hot_set[strong] = True
-        hot_set[weak] = True
-        target[pool & hot_set] = HOT
-
-        # --- warm: wants, heat-eligible, then displaced or idle incumbents of hot/warm
-        rest = pool & ~hot_set
-        h_warm = np.where((tier == WARM) | (tier == HOT), h * bonus, h)
-        fixed_warm = int(((tier == WARM) & fixed).sum())
-        room = capacities.warm - fixed_warm
-        keep_room = room - _headroom(capacities.warm, p)
-        group[:] = 0
-        group[rest & ((tier == WARM) | (tier == HOT))] = 1
-        group[rest & (h_warm >= warm_thr) & (h > 0)] = 2
-        group[rest & (want_warm | want_hot)] = 3
-        order = np.lexsort((-h_warm, -group))
-        strong = _take_top(order, group >= 2, room)
-        weak = _take_top(order, group == 1, keep_room - strong.size)
-        warm_set = np.zeros(n, dtype=bool)
-        warm_set[strong] = True
-        warm_set[weak] = True
-        target[rest & warm_set] = WARM
-        target[rest & ~warm_set] = COLD
-
-        score = h.astype(np.float64)
-        # prefetch wishes rank above heat for promotion order
-        for i in reasons:
-            score[i] += 1e9
-        moves = _build_moves(v, target, score, capacities, p.max_moves(capacities), reasons,
-                             Reason.HEAT, expired, float(bonus), now - p.active_s)
-        return Plan(moves, self.name, n, mean)
+        budget = _Budget(p.max_moves(view.caps))
+        score = {t: _heat_of(heat, stats, c.rows) for t, c in view.victims.items()}
+        moves = _demotions(view, stats, p, score, Reason.HEAT, budget, direct_to_cold=True)
+        r = view.risers
+        h = _heat_of(heat, stats, r.rows)
+        seen = np.concatenate([h, *score.values()])
+        mean = float(seen.mean()) if seen.size else 0.0
+        hot_enough = (h >= p.hot_factor * mean * (1.0 + p.hysteresis)) & (h > 0)
+        rows = r.rows.tolist()
+        wanted = np.fromiter((x in view.wants for x in rows), bool, len(rows))
+        reasons = [view.wants[x].reason if w else Reason.HEAT for x, w in zip(rows, wanted)]
+        dst = [view.wants[x].tier if w else Tier.HOT for x, w in zip(rows, wanted)]
+        # prefetch wishes rank above heat
+        # promotions have a budget of their own: a round that makes room for wished-for
+        # blocks also brings them up
+        moves += _promotions(view, stats, p, wanted | hot_enough, h + np.where(wanted, 1e9, 0.0),
+                             reasons, dst, _Budget(p.max_moves(view.caps)), moves)
+        return Plan(tuple(moves), self.name, _considered(view))
 
 
 class HeatPrefetchPolicy(HeatPolicy):
-    """`heat` plus the wants of a Prefetcher."""
+    """`heat` plus the wants of a Prefetcher: wished blocks rise first, to the wished tier."""
 
     name = "heat+prefetch"
-
-    def __init__(self, params: PolicyParams, prefetcher: object) -> None:
-        super().__init__(params)
-        self.prefetcher = prefetcher
-
-    def wants(self, v: SnapshotView, heat: HeatMap, rows: np.ndarray,
-              now: float) -> dict[int, Want]:
-        by_key = self.prefetcher.wants(now)  # type: ignore[attr-defined]
-        if not by_key:
-            return {}
-        inv = np.full(int(rows.max(initial=-1)) + 2, -1, dtype=np.int64)
-        ok = rows >= 0
-        inv[rows[ok]] = np.flatnonzero(ok)
-        want_rows = heat.rows_of(list(by_key))
-        out: dict[int, Want] = {}
-        for w, r in zip(by_key.values(), want_rows.tolist()):
-            if 0 <= r < inv.size - 1 and inv[r] >= 0:
-                out[int(inv[r])] = w
-        return out
+    uses_prefetch = True
 
 
-POLICIES = ("lru", "heat", "heat+prefetch")
+POLICIES = ("lru", "heat", "heat+prefetch", "reuse")
 
 
-def make_policy(name: str, params: PolicyParams, prefetcher: object | None = None
-                ) -> PlacementPolicy:
+def make_policy(name: str, params: PolicyParams) -> PlacementPolicy:
     """The policy named `name` (one of POLICIES)."""
-    if name == "lru":
-        return LRUPolicy(params)
-    if name == "heat":
-        return HeatPolicy(params)
-    if name == "heat+prefetch":
-        if prefetcher is None:
-            raise ValueError("heat+prefetch needs a prefetcher")
-        return HeatPrefetchPolicy(params, prefetcher)
-    raise ValueError(f"unknown placement policy {name!r}; known: {', '.join(POLICIES)}")
+    kinds: dict[str, type[PlacementPolicy]] = {
+        "lru": LRUPolicy, "heat": HeatPolicy, "heat+prefetch": HeatPrefetchPolicy,
+        "reuse": ReusePolicy}
+    kind = kinds.get(name)
+    if kind is None:
+        raise ValueError(f"unknown placement policy {name!r}; known: {', '.join(POLICIES)}")
+    return kind(params)
+
+
+def wants_by_row(stats: AccessStats, wants: Mapping[BlockKey, Want]) -> dict[int, Want]:
+    """Prefetch wishes keyed by `AccessStats` row (rows are created for unseen keys)."""
+    keys = list(wants)
+    return dict(zip(stats.ensure_rows(keys).tolist(), wants.values()))
+

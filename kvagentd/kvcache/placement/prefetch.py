@@ -12,7 +12,7 @@ Four kinds, all fed by access events (`observe`) and all expressed as `Want`s:
     wanted warm;
 (c) neighbour: an access that found a block cold queues the session's following blocks
     for an immediate warm prefetch (`take_urgent`);
-(d) warm-up: after a restart the hottest sessions of the persisted heat summary are loaded
+(d) warm-up: after a restart the most used sessions of the persisted summary are loaded
     before the first tick (`warmup_wants`).
 The prefetcher only plans; the placement service issues the moves through the store's
 background (low-priority, bounded) queue so a foreground read is never delayed.
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence
 
 from ..base import BlockKey, Tier
-from .heat import SessionHeat
-from .policy import Reason, Want
+from .base import Reason, Want
+from .summary import SessionSummary
 
 
 _PREDICT = Want(Tier.HOT, Reason.PREDICT)
@@ -220,9 +220,9 @@ class Prefetcher:
             self._urgent.clear()
             return out
 
-    def warmup_wants(self, summary: Sequence[SessionHeat], sessions: int,
+    def warmup_wants(self, summary: Sequence[SessionSummary], sessions: int,
                      hot_blocks: int) -> list[tuple[list[BlockKey], Tier]]:
-        """Start-up loads: the hottest `sessions` of a heat summary, hot while `hot_blocks`
+        """Start-up loads: the top `sessions` of a session summary, hot while `hot_blocks`
         lasts, then warm. Returns (keys, tier) groups in load order."""
         out: list[tuple[list[BlockKey], Tier]] = []
         left = hot_blocks

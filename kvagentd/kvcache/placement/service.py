@@ -1,12 +1,15 @@
-"""The placement service: heat map + trace + prefetcher fed by the store's accesses, a policy
-round every `placement.interval_s`, and the one step that applies a plan to the store.
+"""The placement service: accesses from the store's feed, a policy round every
+`placement.interval_s`, and the one step that applies a plan to the store.
 
-    store.record_access -> feed.record ... ingest -> heat.record, trace.record, prefetcher.observe
-    every interval: snapshot -> policy.plan(...) -> apply(plan) (demote, evict, promote)
-    on a cold read: the session's following blocks -> store.promote(..., background=True)
+    store.record_access -> feed.record ... ingest -> stats, heat, trace, prefetcher
+    every interval: gather candidates (where room is short) -> policy.plan -> apply
+    on a cold read (heat+prefetch): the session's following blocks -> store.promote(background)
 
-A round that raises is logged and counted; the service keeps running (a prefetch thread that
-dies on one exception and never restarts is a field failure of peer systems).
+A round costs O(blocks accessed since the last round + bounded samples): it asks the store
+about the blocks it looks at (`PlacementStore`), never for every block. A bounded sweep per
+round forgets what placement remembers of blocks the store no longer has. A round that raises is
+logged and counted; the service keeps running (a prefetch thread that dies on one exception and
+never restarts is a field failure of peer systems).
 """
 
 from __future__ import annotations
@@ -16,57 +19,85 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvagentd.config import KVConfig, PlacementConfig
-
 from ..base import BlockKey, Tier
-from .base import PlacementStore
+from .base import CODE_OF, Action, Capacities, Plan, PlacementStore, Want
 from .feed import Access, AccessFeed
-from .heat import HeatMap, load_summary
-from .policy import (COLD, HOT, NONE, WARM, Action, Capacities, Move, Plan, PlacementPolicy,
-                     PolicyParams, SnapshotView, make_policy)
-from .prefetch import Prefetcher
+from .heat import HeatMap
+from .policy import (NO_CANDIDATES, Candidates, PlacementPolicy, PolicyParams, RoundView,
+                     make_policy, wants_by_row)
+from .prefetch import Prefetcher, UrgentPrefetch
+from .stats import AccessStats
+from .summary import load_summary, save_summary
 from .trace_recorder import TraceRecorder
 
 log = structlog.get_logger(__name__)
 
-_CODE_TIER = {HOT: Tier.HOT, WARM: Tier.WARM, COLD: Tier.COLD}
-_TIER_CODE = {v: k for k, v in _CODE_TIER.items()}
-SUMMARY_FILE = "heat-summary.json"
 SUMMARY_EVERY_ROUNDS = 60
-GC_EVERY_ROUNDS = 30
+SWEEP_ROWS = 64  # rows per round checked against the store (forgetting blocks it dropped)
+POOL_TIERS = (Tier.HOT, Tier.WARM)
 
 
-def params_of(cfg: PlacementConfig, kv: KVConfig) -> PolicyParams:
-    return PolicyParams(hot_factor=cfg.hot_factor, warm_factor=cfg.warm_factor,
-                        hysteresis=cfg.hysteresis, window_fraction=cfg.window_fraction,
-                        cold_ttl_s=kv.cold_ttl_s, active_s=2.0 * cfg.interval_s)
+class PlacementOptions(Protocol):
+    """The `[placement]` settings placement reads (`kvagentd.config.PlacementConfig`)."""
+
+    @property
+    def policy(self) -> str: ...
+    @property
+    def heatmap_window(self) -> int: ...
+    @property
+    def hot_factor(self) -> float: ...
+    @property
+    def warm_factor(self) -> float: ...
+    @property
+    def window_fraction(self) -> float: ...
+    @property
+    def hysteresis(self) -> float: ...
+    @property
+    def headroom_fraction(self) -> float: ...
+    @property
+    def interval_s(self) -> float: ...
+    @property
+    def prefetch_lead_s(self) -> float: ...
+    @property
+    def trace_capacity(self) -> int: ...
+    @property
+    def warmup_sessions(self) -> int: ...
 
 
-def make_prefetcher(cfg: PlacementConfig) -> Prefetcher:
-    return Prefetcher(lead_s=cfg.prefetch_lead_s, interval_s=cfg.interval_s)
+class HasPlacementOptions(Protocol):
+    """A whole configuration, as the daemon hands it to every service on reload."""
+
+    @property
+    def placement(self) -> PlacementOptions: ...
+
+
+def params_of(o: PlacementOptions) -> PolicyParams:
+    return PolicyParams(hot_factor=o.hot_factor, warm_factor=o.warm_factor,
+                        hysteresis=o.hysteresis, window_fraction=o.window_fraction,
+                        headroom_fraction=o.headroom_fraction)
 
 
 @dataclass(frozen=True, slots=True)
 class RoundReport:
     at: float
     policy: str
-    blocks: int
+    blocks: int  # candidates looked at
+    accessed: int  # block accesses since the previous round
     moves: dict[str, int]
     applied: int
     decision_s: float
     apply_s: float
-    mean_heat: float
 
     def as_dict(self) -> dict[str, object]:
-        return {"at": self.at, "policy": self.policy, "blocks": self.blocks, "moves": self.moves,
-                "applied": self.applied, "decision_s": self.decision_s, "apply_s": self.apply_s,
-                "mean_heat": self.mean_heat}
+        return {"at": self.at, "policy": self.policy, "blocks": self.blocks,
+                "accessed": self.accessed, "moves": self.moves, "applied": self.applied,
+                "decision_s": self.decision_s, "apply_s": self.apply_s}
 
 
 class PlacementService:
@@ -75,33 +106,37 @@ class PlacementService:
     `feed` is the access listener `store` reports to. `scheduler` (APScheduler 3) runs the
     rounds as a job when given; otherwise the service's own thread does. Either way that thread
     ingests accesses as they come and issues neighbour prefetches as soon as a cold read is
-    seen. `clock` is wall time (tests and the simulator pass their own)."""
+    seen. `clock` is wall time (tests and the simulator pass their own). Without
+    `summary_path` no session summary is persisted or loaded."""
 
-    def __init__(self, store: PlacementStore, feed: AccessFeed, config: PlacementConfig,
-                 kv_config: KVConfig, scheduler: Any = None, *,
-                 clock: Callable[[], float] = time.time, summary_path: str | Path | None = None,
-                 registry: CollectorRegistry | None = None, persist_summary: bool = True) -> None:
+    def __init__(self, store: PlacementStore, feed: AccessFeed, options: PlacementOptions,
+                 scheduler: Any = None, *, clock: Callable[[], float] = time.time,
+                 summary_path: str | Path | None = None,
+                 registry: CollectorRegistry | None = None, seed: int | None = None) -> None:
         self.store = store
         self.feed = feed
-        self.config = config
-        self.kv_config = kv_config
+        self.config = options
         self.scheduler = scheduler
         self.clock = clock
-        self.summary_path = Path(summary_path) if summary_path is not None else (
-            Path(kv_config.cold_dir) / SUMMARY_FILE)
-        self.persist_summary = persist_summary
-        self.heat = HeatMap(config.heatmap_window)
-        self.trace = TraceRecorder(config.trace_capacity)
-        self.prefetcher = make_prefetcher(config)
-        self.policy: PlacementPolicy = make_policy(config.policy, params_of(config, kv_config),
-                                                   self.prefetcher)
+        self.summary_path = Path(summary_path) if summary_path is not None else None
+        self.stats = AccessStats()
+        self.trace = TraceRecorder(options.trace_capacity)
+        self.prefetcher = Prefetcher(lead_s=options.prefetch_lead_s,
+                                     interval_s=options.interval_s)
+        self.policy: PlacementPolicy = make_policy(options.policy, params_of(options))
+        self.heat: HeatMap | None = self._heat_for(self.policy, None)
+        self._rng = np.random.default_rng(seed)
+        self._caps: Capacities | None = None  # as of the last round (status reads this)
         self.rounds = 0
         self.errors = 0
         self.listener_errors = 0
         self.last_round: RoundReport | None = None
         self.last_error: str | None = None
         self.warmed_up = 0
-        self._lock = threading.Lock()  # one round / apply at a time
+        self.decision_s = 0.0  # total planning CPU time (gathering candidates + policy)
+        self.decided_accesses = 0  # block accesses those rounds covered
+        self._accesses_seen = 0
+        self._lock = threading.RLock()  # one owner of stats, heat and prefetcher at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._job: Any = None
@@ -116,126 +151,117 @@ class PlacementService:
                                  "Time to plan the last round", registry=reg)
         self._m_blocks = Gauge("kvagentd_placement_blocks", "Blocks considered last round",
                                registry=reg)
-        self._tier_by_row = np.full(1024, NONE, dtype=np.int8)
+
+    def _heat_for(self, policy: PlacementPolicy, current: HeatMap | None) -> HeatMap | None:
+        """The heat map `policy` needs: `current` when it fits, a fresh one, or none."""
+        if not policy.uses_heat:
+            return None
+        if current is not None and current.window == self.config.heatmap_window:
+            return current
+        return HeatMap(self.config.heatmap_window, capacity=len(self.stats.live))
 
     def capacities(self) -> Capacities:
         """Hot / warm capacity in blocks, as the store's pools say."""
-        return Capacities(self.store.pool(Tier.HOT).capacity, self.store.pool(Tier.WARM).capacity)
-
-    def _tiers_of(self, keys: Sequence[BlockKey]) -> list[Tier | None]:
-        """Where `keys` were at the last round (None: unknown); marks them hot from now on."""
-        rows = self.heat.rows_of(keys)
-        codes = self._tier_by_row
-        out: list[Tier | None] = []
-        for r in rows.tolist():
-            out.append(_CODE_TIER.get(int(codes[r])) if 0 <= r < codes.shape[0] else None)
-        ok = rows[(rows >= 0) & (rows < codes.shape[0])]
-        codes[ok] = HOT
-        return out
+        self._caps = Capacities(self.store.pool(Tier.HOT).capacity,
+                                self.store.pool(Tier.WARM).capacity)
+        return self._caps
 
     # ------------------------------------------------------------------ access path
     def ingest(self) -> int:
-        """Take every access the feed holds into heat, trace and prefetcher; returns how many
-        events. An event that fails is counted and skipped: it must not stop placement."""
-        events = self.feed.drain()
-        for ev in events:
+        """Take every access the feed holds into stats, heat, trace and prefetcher, as one
+        batch; returns how many events. A batch that fails is logged and counted."""
+        with self._lock:
+            events = self.feed.drain()
+            if not events:
+                return 0
             try:
-                self._ingest_one(ev)
-            except Exception:  # noqa: BLE001 - bookkeeping of one event must not stop placement
+                self._ingest(events)
+            except Exception:  # noqa: BLE001 - bookkeeping must not stop placement
                 self.listener_errors += 1
-                log.exception("placement.ingest_failed", session=ev.session)
-        return len(events)
+                log.exception("placement.ingest_failed", events=len(events))
+            return len(events)
 
-    def _ingest_one(self, ev: Access) -> None:
-        """One access event: where each block was (as of the last round, the trace column and
-        the neighbour prefetch trigger), heat, trace, prefetcher."""
-        keys = list(ev.keys)
-        tiers = self._tiers_of(keys)
-        tick = self.heat.record(keys, ev.session)
-        self.trace.record(tick, ev.time, ev.session, keys, tiers)
-        cold = [k for k, t in zip(keys, tiers) if t is Tier.COLD]
-        self.prefetcher.observe(ev.session, keys, ev.time, cold)
+    def _ingest(self, events: list[Access]) -> None:
+        rec = self.stats.record(events)
+        if self.heat is not None:
+            self.heat.record(rec.rows, rec.ticks)
+        off = rec.offsets.tolist()
+        cold = CODE_OF[Tier.COLD]
+        for i, ev in enumerate(events):
+            tiers = rec.prev_tier[off[i]:off[i + 1]]
+            if self.trace.capacity > 0:
+                self.trace.record(int(rec.ticks[off[i]]) if off[i + 1] > off[i] else 0,
+                                  ev.time, ev.session, ev.keys, tiers)
+            if self.policy.uses_prefetch:
+                was_cold = [ev.keys[j] for j in np.flatnonzero(tiers == cold).tolist()]
+                self.prefetcher.observe(ev.session, ev.keys, ev.time, was_cold)
 
     def flush_prefetch(self) -> int:
-        """Ingest pending accesses, then issue queued neighbour prefetches on the store's
-        background queue (only under `heat+prefetch`; other policies drop them, so policies
-        compare cleanly)."""
-        self.ingest()
+        """Ingest pending accesses, then issue queued neighbour prefetches into warm through
+        the store's background queue (only under a prefetching policy; others drop them, so
+        policies compare cleanly). Returns how many blocks were queued."""
+        with self._lock:
+            self.ingest()
+            urgent = self.prefetcher.take_urgent()
+            if not self.policy.uses_prefetch:
+                return 0
+            return self._prefetch(urgent)
+
+    def _prefetch(self, urgent: Sequence[UrgentPrefetch]) -> int:
         n = 0
-        urgent = self.prefetcher.take_urgent()
-        if self.policy.name != "heat+prefetch":
-            return 0
         for u in urgent:
-            self._make_room_for(u.keys, u.tier)
+            self._make_room(u.tier, len(u.keys))
             moved = self.store.promote(list(u.keys), u.tier, background=True)
             n += moved
             if moved:
                 self._m_moves.labels("promote", u.reason.value).inc(moved)
-                self._mark(u.keys, u.tier)
+                self._believe(list(u.keys), u.tier)
         return n
 
-    def _make_room_for(self, keys: Sequence[BlockKey], tier: Tier) -> int:
-        """Demote the coldest blocks of `tier` (by the last round's heat) so a prefetch of
-        `keys` finds room; the store only promotes into free slots."""
-        codes = self._tier_by_row
-        code = _TIER_CODE[tier]
-        rows = self.heat.rows_of(list(keys))
-        ok = rows[(rows >= 0) & (rows < codes.shape[0])]
-        need = int(np.count_nonzero(codes[ok] != code)) + int(np.count_nonzero(rows < 0))
+    def _make_room(self, tier: Tier, n: int) -> int:
+        """Demote the least recently used idle blocks of `tier` so `n` blocks fit (the store
+        promotes into free slots only)."""
         if tier is Tier.COLD:
             return 0
-        members = np.flatnonzero(codes == code)
-        free = self.store.pool(tier).num_free
-        short = need - free
+        short = n - self.store.pool(tier).num_free
         if short <= 0:
             return 0
-        heat = self.heat.last_heat
-        members = members[~np.isin(members, ok)]
-        score = np.zeros(members.size, dtype=np.float32)
-        inside = members < heat.shape[0]
-        score[inside] = heat[members[inside]]
-        order = members[np.argsort(score, kind="stable")].tolist()
         lower = Tier.WARM if tier is Tier.HOT else Tier.COLD
-        moved = 0
-        # the tier view is as of the last round: a candidate that has moved since is skipped
-        # by the store and forgotten here, and the next coldest is tried (a few passes)
-        for _ in range(4):
-            if short <= 0 or not order:
-                break
-            batch, order = order[:short], order[short:]
-            vkeys = [k for k in (self.heat.key_of(r) for r in batch) if k is not None]
-            n = self.store.demote(vkeys, lower) if vkeys else 0
-            moved += n
-            short -= n
-            self._tier_by_row[batch] = NONE
-            if n:
-                self._m_moves.labels("demote", "capacity").inc(n)
+        victims = self.store.least_recent_idle(tier, short)
+        moved = self.store.demote(victims, lower) if victims else 0
+        if moved:
+            self._m_moves.labels("demote", "capacity").inc(moved)
+            self._believe(victims, lower)
         return moved
 
-    def _mark(self, keys: Sequence[BlockKey], tier: Tier) -> None:
-        rows = self.heat.rows_of(list(keys))
-        ok = rows[(rows >= 0) & (rows < self._tier_by_row.shape[0])]
-        self._tier_by_row[ok] = _TIER_CODE[tier]
+    def _believe(self, keys: Sequence[BlockKey], tier: Tier | None) -> None:
+        """Placement's belief of where `keys` are, after moving them (prefetch, room)."""
+        rows = self.stats.rows_of(keys)
+        self.stats.moved(rows[rows >= 0], CODE_OF[tier])
 
     # ------------------------------------------------------------------ rounds
     def run_round(self) -> Plan:
-        """One placement round: snapshot -> plan -> apply. Raises on failure (see `_safe`)."""
-        self.ingest()
+        """One round: ingest -> gather -> plan -> apply. Raises on failure (see `_safe`)."""
         with self._lock:
+            self.ingest()
             now = self.clock()
-            t0 = time.perf_counter()
-            snap = self.store.snapshot()
-            view = SnapshotView.of(snap)
-            plan = self.policy.plan(view, self.heat, self.capacities(), now)
-            t1 = time.perf_counter()
-            self._note_tiers(view, plan)
+            t0 = time.thread_time()
+            accessed = self.stats.accesses - self._accesses_seen
+            self._accesses_seen = self.stats.accesses
+            view = self._view(now)
+            if view.victims or self.policy.uses_heat:
+                plan = self.policy.plan(view, self.stats, self.heat)
+            else:  # nothing is short of room: nothing to decide
+                plan = Plan((), self.policy.name)
+            t1 = time.thread_time()
             applied = self.apply(plan)
-            t2 = time.perf_counter()
+            t2 = time.thread_time()
+            self._sweep()
             self.rounds += 1
-            if self.rounds % GC_EVERY_ROUNDS == 0:
-                self._forget_gone(snap)
-            self.last_round = RoundReport(now, plan.policy, plan.considered, plan.counts(),
-                                          applied, t1 - t0, t2 - t1, plan.mean_heat)
+            self.decision_s += t1 - t0
+            self.decided_accesses += accessed
+            self.last_round = RoundReport(now, plan.policy, plan.considered, accessed,
+                                          plan.counts(), applied, t1 - t0, t2 - t1)
             self._m_rounds.inc()
             self._m_decision.set(t1 - t0)
             self._m_blocks.set(plan.considered)
@@ -243,69 +269,115 @@ class PlacementService:
             self.save_summary()
         return plan
 
+    def _view(self, now: float) -> RoundView:
+        """Free room per tier and, where it is short of its head-room (counting the room that
+        wished-for prefetches need), the candidates."""
+        p = self.policy.params
+        caps = self.capacities()
+        free = {t: self.store.pool(t).num_free for t in POOL_TIERS}
+        risers = NO_CANDIDATES
+        wants: dict[int, Want] = {}
+        incoming = {Tier.HOT: 0, Tier.WARM: 0}
+        if self.policy.uses_heat:
+            rows = self.stats.sample(CODE_OF[Tier.WARM], p.sample, self._rng, draws=4 * p.sample)
+            if self.policy.uses_prefetch:
+                wants = wants_by_row(self.stats, self.prefetcher.wants(now))
+            risers = self._risers(np.concatenate([rows, np.fromiter(wants, np.int64, len(wants))]))
+            for r, code in zip(risers.rows.tolist(), risers.tier.tolist()):
+                w = wants.get(r)
+                if w is not None and CODE_OF[w.tier] < code:
+                    incoming[w.tier] += 1
+        short = {t: p.headroom(caps.of(t)) - free[t] + incoming[t] for t in POOL_TIERS}
+        victims: dict[Tier, Candidates] = {}
+        for t in POOL_TIERS:
+            # warm is looked at as well when hot is short: hot's victims need its room
+            if short[t] <= 0 and not (t is Tier.WARM and short[Tier.HOT] > 0):
+                continue
+            need = max(0, short[t]) + p.batch(caps.of(t))
+            if t is Tier.WARM and short[Tier.HOT] > 0:
+                need += short[Tier.HOT] + p.batch(caps.hot)
+            victims[t] = self._victims(t, need)
+        if len(victims) == 2 and self.policy.wants_sample:
+            # a block placement believes in hot that the store has in warm is nobody's this round
+            both = np.intersect1d(victims[Tier.HOT].rows, victims[Tier.WARM].rows)
+            if both.size:
+                victims = {t: c.without(both) for t, c in victims.items()}
+        if len(risers):  # the store's word (risers) over placement's belief (victims)
+            victims = {t: c.without(risers.rows) for t, c in victims.items()}
+        self.stats.trim_arrived(4 * (caps.hot + caps.warm))
+        return RoundView(now, caps, free, victims, risers, wants, incoming)
+
+    def _victims(self, tier: Tier, need: int) -> Candidates:
+        """Idle blocks of `tier` that may go down. `lru`: the store's `need` least recently
+        used ones, in that order. Scoring policies: the blocks that entered the tier since it
+        was last short (hot: brought in by their use; warm: demoted there by placement), and
+        in proportion to `need` the store's least recently used ones and some at random. A
+        block that has moved since placement last looked costs a planned move that the store
+        skips (it moves only idle blocks of the tier they are in)."""
+        p = self.policy.params
+        code = CODE_OF[tier]
+        if not self.policy.wants_sample:
+            keys = self.store.least_recent_idle(tier, need)
+            return Candidates(np.zeros(0, np.int64), np.full(len(keys), code, np.int8), keys)
+        keys = self.store.least_recent_idle(tier, p.lru_candidates + int(p.lru_per_victim * need))
+        keys += self.store.sample_idle(tier, max(p.sample, int(p.sample_per_victim * need)))
+        arrived = self.stats.take_arrived(code)
+        rows = np.unique(np.concatenate([self.stats.ensure_rows(keys),
+                                         arrived[self.stats.tier[arrived] == code]]))
+        self.stats.tier[rows] = code
+        return Candidates(rows, np.full(rows.size, code, np.int8))
+
+    def _risers(self, rows: np.ndarray) -> Candidates:
+        """The idle warm or cold ones of `rows`, as the store says (bounded: a sample and the
+        prefetch wishes)."""
+        rows = np.unique(rows)
+        keys = self.stats.keys_of(rows)
+        rows = self.stats.rows_of(keys)
+        st = self.store.block_states(keys)
+        self.stats.tier[rows[st.known]] = st.tier[st.known]
+        ok = st.idle & ((st.tier == CODE_OF[Tier.WARM]) | (st.tier == CODE_OF[Tier.COLD]))
+        return Candidates(rows[ok], st.tier[ok])
+
     def apply(self, plan: Plan) -> int:
-        """Execute `plan` in order, batching runs of alike moves; returns blocks moved.
-
-        A failing batch is logged and counted; the rest of the plan still runs."""
+        """Execute `plan`'s batches in order; returns blocks moved. A failing batch is logged
+        and counted; the rest of the plan still runs."""
         moved = 0
-        batch: list[Move] = []
-
-        def flush() -> None:
-            nonlocal moved
-            if not batch:
-                return
-            m0 = batch[0]
-            keys = [m.key for m in batch]
+        for b in plan.batches:
+            keys = list(b.keys)
             try:
-                if m0.action is Action.EVICT:
+                if b.dst is None:
                     n = self.store.evict(keys)
-                    self.heat.forget(keys)
-                elif m0.action is Action.DEMOTE:
-                    assert m0.dst is not None
-                    n = self.store.demote(keys, m0.dst)
+                elif b.action is Action.DEMOTE:
+                    n = self.store.demote(keys, b.dst)
                 else:
-                    assert m0.dst is not None
-                    n = self.store.promote(keys, m0.dst, background=m0.background)
+                    n = self.store.promote(keys, b.dst, background=b.background)
             except Exception as exc:  # noqa: BLE001 - one bad batch must not stop placement
                 self.errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self._m_errors.inc()
-                log.warning("placement.apply_failed", action=m0.action.value, blocks=len(keys),
+                log.warning("placement.apply_failed", action=b.action.value, blocks=len(keys),
                             error=self.last_error)
                 n = 0
             moved += n
             if n:
-                self._m_moves.labels(m0.action.value, m0.reason.value).inc(n)
-            batch.clear()
-
-        for m in plan:
-            if batch and (m.action, m.dst, m.reason, m.background) != (
-                    batch[0].action, batch[0].dst, batch[0].reason, batch[0].background):
-                flush()
-            batch.append(m)
-        flush()
+                self._m_moves.labels(b.action.value, b.reason.value).inc(n)
+            if b.rows is not None:
+                self.stats.moved(b.rows, CODE_OF[b.dst])
         return moved
 
-    def _note_tiers(self, view: SnapshotView, plan: Plan) -> None:
-        """Remember each block's tier (by heat row) for the access path."""
-        rows = self.heat.rows_of(view.keys)
-        size = max(self.heat.high_water, 1)
-        if self._tier_by_row.shape[0] < size:
-            grown = np.full(size * 2, NONE, dtype=np.int8)
-            grown[: self._tier_by_row.shape[0]] = self._tier_by_row
-            self._tier_by_row = grown
-        ok = rows >= 0
-        self._tier_by_row[rows[ok]] = view.tier[ok]
-        for m in plan:
-            r = self.heat.row_of(m.key)
-            if r is not None and r < self._tier_by_row.shape[0]:
-                self._tier_by_row[r] = NONE if m.dst is None else _TIER_CODE[m.dst]
-
-    def _forget_gone(self, snap: Sequence[Any]) -> None:
-        known = {b.key for b in snap}
-        gone = [k for k in self.heat.keys() if k not in known]
+    def _sweep(self) -> None:
+        """Check the next few rows against the store: forget blocks it no longer has."""
+        rows = self.stats.sweep(SWEEP_ROWS)
+        if rows.size == 0:
+            return
+        keys = self.stats.keys_of(rows)
+        st = self.store.block_states(keys)
+        gone = [keys[i] for i in np.flatnonzero(~st.known).tolist()]
         if gone:
-            self.heat.forget(gone)
+            g = self.stats.rows_of(gone)
+            if self.heat is not None:
+                self.heat.clear(g)
+            self.stats.forget(g)
 
     def _safe(self, fn: Callable[[], object], what: str) -> None:
         try:
@@ -318,25 +390,25 @@ class PlacementService:
 
     # ------------------------------------------------------------------ warm-up / summary
     def save_summary(self) -> None:
-        if not self.persist_summary:
+        if self.summary_path is None:
             return
         try:
-            self.heat.save_summary(self.summary_path,
-                                   max_sessions=max(32, 4 * self.config.warmup_sessions))
+            save_summary(self.summary_path, self.stats.sessions,
+                         max_sessions=max(32, 4 * self.config.warmup_sessions))
         except OSError as exc:
             log.warning("placement.summary_save_failed", path=str(self.summary_path),
                         error=str(exc))
 
     def warmup(self) -> int:
-        """Load the hottest sessions of the persisted heat summary (before the first tick)."""
-        if not self.persist_summary:
+        """Load the most used sessions of the persisted summary (before the first tick)."""
+        if self.summary_path is None or self.config.warmup_sessions <= 0:
             return 0
         try:
             summary = load_summary(self.summary_path)
         except ValueError as exc:
             log.warning("placement.summary_unreadable", error=str(exc))
             return 0
-        if not summary or self.config.warmup_sessions <= 0:
+        if not summary:
             return 0
         caps = self.capacities()
         n = 0
@@ -352,8 +424,8 @@ class PlacementService:
             if moved:
                 self._m_moves.labels("promote", "warmup").inc(moved)
         self.warmed_up = n
-        log.info("placement.warmed_up", blocks=n, sessions=min(len(summary),
-                                                               self.config.warmup_sessions))
+        log.info("placement.warmed_up", blocks=n,
+                 sessions=min(len(summary), self.config.warmup_sessions))
         return n
 
     # ------------------------------------------------------------------ lifecycle
@@ -397,32 +469,38 @@ class PlacementService:
                 self._safe(self.run_round, "round")
                 next_round = time.monotonic() + self.config.interval_s
 
-    def reload(self, config: Any) -> None:
-        """Apply a new `placement` section (a Config or a PlacementConfig)."""
-        cfg: PlacementConfig = getattr(config, "placement", config)
-        kv: KVConfig = getattr(config, "kv", self.kv_config)
+    def reload(self, config: HasPlacementOptions) -> None:
+        """Apply a new `placement` section (policy, factors, intervals)."""
+        o = config.placement
         with self._lock:
             old = self.config
-            self.config, self.kv_config = cfg, kv
-            self.prefetcher.lead_s = cfg.prefetch_lead_s
-            self.prefetcher.interval_s = cfg.interval_s
-            self.policy = make_policy(cfg.policy, params_of(cfg, kv), self.prefetcher)
-        if self._job is not None and cfg.interval_s != old.interval_s:
-            self._job.reschedule("interval", seconds=cfg.interval_s)
-        log.info("placement.reloaded", policy=cfg.policy, interval_s=cfg.interval_s)
+            self.config = o
+            self.prefetcher.lead_s = o.prefetch_lead_s
+            self.prefetcher.interval_s = o.interval_s
+            self.policy = make_policy(o.policy, params_of(o))
+            self.heat = self._heat_for(self.policy, self.heat)
+        if self._job is not None and o.interval_s != old.interval_s:
+            self._job.reschedule("interval", seconds=o.interval_s)
+        log.info("placement.reloaded", policy=o.policy, interval_s=o.interval_s)
 
     def health(self) -> dict[str, Any] | None:
         return None
 
     def status(self) -> dict[str, object]:
-        caps = self.capacities()
+        caps = self._caps
+        per_access = (1e6 * self.decision_s / self.decided_accesses
+                      if self.decided_accesses else None)
         return {"policy": self.policy.name, "interval_s": self.config.interval_s,
                 "running": self._thread is not None and self._thread.is_alive(),
                 "rounds": self.rounds, "errors": self.errors,
                 "listener_errors": self.listener_errors, "last_error": self.last_error,
-                "capacity_blocks": {"hot": caps.hot, "warm": caps.warm},
+                "capacity_blocks": {"hot": caps.hot, "warm": caps.warm} if caps else None,
                 "last_round": self.last_round.as_dict() if self.last_round else None,
+                "decision_us_per_accessed_block": per_access,
                 "warmed_up_blocks": self.warmed_up,
-                "heat": self.heat.stats(), "prefetch": self.prefetcher.stats(),
+                "blocks": len(self.stats), "sessions": len(self.stats.sessions),
+                "feed": {"recorded": self.feed.recorded, "dropped": self.feed.dropped,
+                         "pending": len(self.feed)},
+                "prefetch": self.prefetcher.stats() if self.policy.uses_prefetch else None,
                 "trace": {"capacity": self.trace.capacity, "events": len(self.trace),
                           "recorded": self.trace.recorded}}

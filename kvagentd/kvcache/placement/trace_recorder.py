@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
@@ -18,10 +17,12 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 
 from ..base import BlockKey, Tier
+from .base import CODE_OF, NONE, TIER_OF
 
 TRACE_VERSION = 1
-_TIER_CODE = {None: 0, Tier.HOT: 1, Tier.WARM: 2, Tier.COLD: 3}
-_CODE_TIER = {v: k for k, v in _TIER_CODE.items()}
+KEY_BYTES = 16
+_TIER_CODE = CODE_OF  # tier at access, as placement's column codes
+_CODE_TIER: dict[int, Tier | None] = {NONE: None, **TIER_OF}
 _TIER_NAME = {None: "", Tier.HOT: "hot", Tier.WARM: "warm", Tier.COLD: "cold"}
 _NAME_TIER = {v: k for k, v in _TIER_NAME.items()}
 
@@ -35,40 +36,98 @@ class AccessEvent(NamedTuple):
 
 
 class TraceRecorder:
-    """Keeps the last `capacity` access events (0 disables recording). Thread-safe."""
+    """Keeps the last `capacity` access events (0 disables recording) in numpy rings: recording
+    one inference event is a few vectorized writes, whatever its number of blocks. Keys are
+    16-byte block keys. Thread-safe."""
 
     def __init__(self, capacity: int = 100_000) -> None:
         self.capacity = capacity
-        self._ring: deque[AccessEvent] = deque(maxlen=max(capacity, 1))
+        cap = max(capacity, 1)
+        self._tick = np.zeros(cap, dtype=np.int64)
+        self._time = np.zeros(cap, dtype=np.float64)
+        self._sess = np.zeros(cap, dtype=np.int32)
+        self._key = np.zeros(cap, dtype=f"V{KEY_BYTES}")
+        self._tier = np.zeros(cap, dtype=np.int8)
+        self._names: list[str] = []
+        self._sid: dict[str, int] = {}
+        self._next = 0  # ring position of the next event
+        self._n = 0  # events held
         self._lock = threading.Lock()
         self.recorded = 0  # events ever recorded (the ring keeps the last `capacity`)
 
     def record(self, tick: int, time: float, session: str, keys: Sequence[BlockKey],
-               tiers: Sequence[Tier | None] | None = None) -> None:
-        if self.capacity <= 0:
+               tiers: np.ndarray | None = None) -> None:
+        """One inference event: `keys` in order; `tiers[i]` is the tier code (`base.CODE_OF`)
+        of `keys[i]` when it was asked for. Raises ValueError for a key that is not 16 bytes."""
+        if self.capacity <= 0 or not keys:
             return
+        raw = b"".join(keys)
+        if len(raw) != KEY_BYTES * len(keys):
+            raise ValueError(f"trace keys must be {KEY_BYTES} bytes")
+        kv = np.frombuffer(raw, dtype=f"V{KEY_BYTES}")
+        tv = np.zeros(len(keys), np.int8) if tiers is None else np.asarray(tiers, np.int8)
+        cap = self.capacity
+        if kv.size > cap:
+            kv, tv = kv[-cap:], tv[-cap:]
         with self._lock:
-            for i, k in enumerate(keys):
-                self._ring.append(AccessEvent(tick, time, session, k,
-                                              tiers[i] if tiers is not None else None))
+            sid = self._sid.get(session)
+            if sid is None:
+                if len(self._names) >= 2 * cap + 1024:
+                    self._compact_sessions()
+                sid = self._sid[session] = len(self._names)
+                self._names.append(session)
+            idx = (self._next + np.arange(kv.size)) % cap
+            self._tick[idx] = tick
+            self._time[idx] = time
+            self._sess[idx] = sid
+            self._key[idx] = kv
+            self._tier[idx] = tv
+            self._next = int(idx[-1]) + 1 if idx[-1] + 1 < cap else 0
+            self._n = min(cap, self._n + kv.size)
             self.recorded += len(keys)
+
+    def _compact_sessions(self) -> None:
+        """Caller holds the lock: keep only the names of sessions the ring still holds."""
+        held = np.unique(self._sess[self._order()])
+        names = [self._names[i] for i in held.tolist()]
+        remap = np.zeros(len(self._names), dtype=np.int32)
+        remap[held] = np.arange(held.size, dtype=np.int32)
+        self._sess = remap[self._sess]
+        self._names = names
+        self._sid = {n: i for i, n in enumerate(names)}
+
+    def _order(self) -> np.ndarray:
+        """Caller holds the lock: ring positions of the held events, oldest first."""
+        cap = self.capacity
+        return (self._next - self._n + np.arange(self._n)) % cap
 
     def events(self) -> list[AccessEvent]:
         with self._lock:
-            return list(self._ring)
+            o = self._order()
+            ticks, times = self._tick[o].tolist(), self._time[o].tolist()
+            sess, tiers = self._sess[o].tolist(), self._tier[o].tolist()
+            keys = [bytes(k) for k in self._key[o]]
+            names = self._names
+        return [AccessEvent(t, w, names[s], k, _CODE_TIER[c])
+                for t, w, s, k, c in zip(ticks, times, sess, keys, tiers)]
 
     def __len__(self) -> int:
-        return len(self._ring)
+        return self._n
 
     def stats(self) -> dict[str, object]:
-        ev = self.events()
-        by_tier = {"hot": 0, "warm": 0, "cold": 0, "unknown": 0}
-        for e in ev:
-            by_tier[_TIER_NAME[e.tier] or "unknown"] += 1
-        return {"capacity": self.capacity, "events": len(ev), "recorded": self.recorded,
-                "sessions": len({e.session for e in ev}), "blocks": len({e.key for e in ev}),
-                "first_tick": ev[0].tick if ev else None, "last_tick": ev[-1].tick if ev else None,
-                "span_s": (ev[-1].time - ev[0].time) if ev else 0.0, "by_tier": by_tier}
+        with self._lock:
+            o = self._order()
+            tiers = np.bincount(self._tier[o], minlength=4) if o.size else np.zeros(4, np.int64)
+            sessions = int(np.unique(self._sess[o]).size)
+            blocks = int(np.unique(self._key[o]).size)
+            first = int(self._tick[o[0]]) if o.size else None
+            last = int(self._tick[o[-1]]) if o.size else None
+            span = float(self._time[o[-1]] - self._time[o[0]]) if o.size else 0.0
+        by_tier = {"hot": int(tiers[1]), "warm": int(tiers[2]), "cold": int(tiers[3]),
+                   "unknown": int(tiers[0])}
+        return {"capacity": self.capacity, "events": len(self), "recorded": self.recorded,
+                "sessions": sessions, "blocks": blocks, "first_tick": first, "last_tick": last,
+                "span_s": span, "by_tier": by_tier}
 
     def dump(self, path: str | os.PathLike[str]) -> int:
         """Write the ring to `path` (.npz -> numpy archive, else JSON lines); returns events."""

@@ -1,0 +1,419 @@
+"""What placement remembers of the blocks it has seen used: dense numpy columns by row.
+
+A dict maps block key -> row and a free list recycles rows; everything else is a column, so
+recording an access event costs one dict lookup per block plus a few vectorized updates, and a
+round reads the columns of the rows it looks at. Per row:
+- `last_t`, `last_tick`, `count`: when, at which event, and how often it was used;
+- `gap_mu`, `gap_var`, `gaps`: an exponentially smoothed mean and variance of the log of the
+  time between its uses (seconds), and how many gaps it has seen. A block used for the first
+  time inherits them from the deepest block of the same request that was used before (its
+  session's history: a conversation's new blocks come back when its older ones do);
+- `cat`: its category, the first block of the request that first used it (the system prompt
+  of its application); `tier`: where placement believes it is (as of its own last look).
+
+Per category and use count (1, 2, 3 or more) the table counts how many blocks reached that
+count and how many were used again after it (`reuse_odds`), and per category the mean and
+variance of log gaps: a block's reuse is predicted from its own gaps when it has some, from
+its category otherwise. Counts are halved every `decay_every` block accesses, so the model
+follows a changing workload.
+
+Per session: the time and keys of its last request and a decayed use score (the persisted
+summary of the hottest sessions, `summary.py`). Not thread-safe: placement's own thread owns it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from typing import NamedTuple
+
+import numpy as np
+
+from ..base import BlockKey
+from .base import HOT, NONE, WARM
+from .feed import Access
+
+CLASSES = 3  # use-count classes: 1, 2, 3 or more
+OTHER = 0  # the category of blocks whose root did not fit `max_categories`
+_GAPS_MAX = 1 << 14
+_COUNT_MAX = 1 << 30
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    last_t: float
+    score: float  # uses (blocks touched), decayed with `SESSION_TAU_S`
+    keys: tuple[BlockKey, ...]  # the blocks of its last request (at most `session_keys`)
+
+
+SESSION_TAU_S = 3600.0
+
+
+class Recorded(NamedTuple):
+    """A batch of recorded access events, flattened: one entry per block access."""
+
+    rows: np.ndarray  # int64 row of each access, in event order
+    prev_tier: np.ndarray  # int8 tier code the block had (as placement believed) before it
+    ticks: np.ndarray  # int64 tick of the event of each access
+    offsets: np.ndarray  # int64: event i's accesses are [offsets[i], offsets[i + 1])
+
+
+class AccessStats:
+    def __init__(self, capacity: int = 1024, *, max_sessions: int = 4096,
+                 max_categories: int = 256, session_keys: int = 1024, alpha: float = 0.3,
+                 min_gap_s: float = 0.25, decay_every: int = 1 << 16,
+                 prior_gap_s: float = 300.0, prior_sigma: float = 1.5) -> None:
+        cap = max(16, capacity)
+        self.alpha = alpha
+        self.min_gap_s = min_gap_s
+        self.decay_every = decay_every
+        self.max_sessions = max_sessions
+        self.max_categories = max(2, max_categories)
+        self.session_keys = session_keys
+        self.live = np.zeros(cap, dtype=bool)
+        self.last_t = np.zeros(cap, dtype=np.float64)
+        self.last_tick = np.zeros(cap, dtype=np.int64)
+        self.count = np.zeros(cap, dtype=np.int32)
+        self.gap_mu = np.zeros(cap, dtype=np.float32)
+        self.gap_var = np.zeros(cap, dtype=np.float32)
+        self.gaps = np.zeros(cap, dtype=np.int16)
+        self.cat = np.zeros(cap, dtype=np.int32)
+        self.owner = np.zeros(cap, dtype=np.int64)  # hash of the session that first used it
+        self.tier = np.zeros(cap, dtype=np.int8)
+        self.keys: list[BlockKey | None] = [None] * cap
+        self.index: dict[BlockKey, int] = {}
+        self._free: list[int] = list(range(cap - 1, -1, -1))
+        self.high = 0  # rows [0, high) have been used
+        self.tick = 0  # events recorded
+        self.accesses = 0  # block accesses recorded
+        self._since_decay = 0
+        # rows that entered hot (by their use) or warm (moved there) since the tier was last
+        # looked at for victims
+        self._arrived: dict[int, list[np.ndarray]] = {HOT: [], WARM: []}
+        self._arrived_n = {HOT: 0, WARM: 0}
+        self._pending = {HOT: np.zeros(cap, dtype=bool), WARM: np.zeros(cap, dtype=bool)}
+        self._cursor = 0
+        self.sessions: OrderedDict[str, SessionRecord] = OrderedDict()
+        self.categories: dict[BlockKey, int] = {}
+        nc = self.max_categories
+        self.reached = np.zeros((nc, CLASSES + 1), dtype=np.float64)
+        self.reused = np.zeros((nc, CLASSES + 1), dtype=np.float64)
+        self._reached_flat = self.reached.reshape(-1)  # views, for add.at
+        self._reused_flat = self.reused.reshape(-1)
+        self.cat_n = np.zeros(nc, dtype=np.float64)
+        self.cat_lg = np.zeros(nc, dtype=np.float64)
+        self.cat_lg2 = np.zeros(nc, dtype=np.float64)
+        self.prior_mu = math.log(prior_gap_s)
+        self.prior_var = prior_sigma * prior_sigma
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    # ------------------------------------------------------------------ recording
+    def record(self, events: Sequence[Access]) -> Recorded:
+        """Access events in order (one tick each), as one vectorized update.
+
+        A block used several times within the batch learns from the mean of its gaps there (one
+        smoothing step); its counts, last use and tier follow every use."""
+        ne = len(events)
+        lens = np.fromiter((len(e.keys) for e in events), np.int64, ne)
+        offsets = np.zeros(ne + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        ticks_ev = self.tick + np.arange(ne, dtype=np.int64)
+        self.tick += ne
+        n = int(offsets[-1])
+        if n == 0:
+            return Recorded(np.zeros(0, np.int64), np.zeros(0, np.int8),
+                            np.zeros(0, np.int64), offsets)
+        keys = [k for e in events for k in e.keys]
+        ev = np.repeat(np.arange(ne), lens)
+        t = np.fromiter((e.time for e in events), np.float64, ne)[ev]
+        rows = np.fromiter(map(self.index.get, keys, repeat(-1)), np.int64, n)
+        fresh = np.zeros(n, dtype=bool)  # the access that creates its row
+        for i in np.flatnonzero(rows < 0).tolist():
+            r = self.index.get(keys[i])
+            if r is None:
+                r = self._new_row(keys[i])
+                fresh[i] = True
+            rows[i] = r
+        # accesses grouped by row, in access order within a group
+        order = np.lexsort((np.arange(n), rows))
+        rs, ts = rows[order], t[order]
+        first = np.ones(n, dtype=bool)
+        first[1:] = rs[1:] != rs[:-1]
+        start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+        occ = np.arange(n) - start  # earlier uses of the row within the batch
+        fresh_s = fresh[order]
+        prev_t = np.empty(n)
+        prev_t[1:] = ts[:-1]
+        prev_t[first] = self.last_t[rs[first]]
+        prev_tier_s = np.where(first, self.tier[rs], HOT).astype(np.int8)
+        prev_tier_s[fresh_s] = NONE
+        cats_ev = np.fromiter((self._category(e.keys[0]) if len(e.keys) else OTHER
+                               for e in events), np.int32, ne)
+        owners_ev = np.fromiter((hash(e.session) for e in events), np.int64, ne)
+        new_rows = rows[fresh]
+        self.cat[new_rows] = cats_ev[ev[fresh]]
+        self.owner[new_rows] = owners_ev[ev[fresh]]
+        self.count[new_rows] = 0
+        self.gaps[new_rows] = 0
+        self.gap_mu[new_rows] = 0.0
+        self.gap_var[new_rows] = 0.0
+        # reuse counts by category and use count
+        cnt = self.count[rs] + occ  # uses before this one
+        cs = self.cat[rs]
+        reused = ~fresh_s
+        cell = cs * (CLASSES + 1)
+        np.add.at(self._reused_flat, (cell + np.minimum(cnt, CLASSES))[reused], 1.0)
+        np.add.at(self._reached_flat, cell + np.minimum(cnt + 1, CLASSES), 1.0)
+        self._learn_gaps(rs, ts - prev_t, reused, cs)
+        self._inherit(rows, fresh, ev, offsets, owners_ev)
+        last = np.ones(n, dtype=bool)
+        last[:-1] = first[1:]
+        self.last_t[rs[last]] = ts[last]
+        self.last_tick[rs[last]] = ticks_ev[ev[order[last]]]
+        self.count[rs[last]] = np.minimum(cnt[last] + 1, _COUNT_MAX)
+        self.tier[rs[last]] = HOT  # the store brings every block it serves into hot
+        self._arrive(HOT, rs[last])
+        self.accesses += n
+        self._since_decay += n
+        if self._since_decay >= self.decay_every:
+            self._decay()
+        for e in events:
+            self._note_session(e.session, e.keys, e.time)
+        prev_tier = np.empty(n, dtype=np.int8)
+        prev_tier[order] = prev_tier_s
+        return Recorded(rows, prev_tier, ticks_ev[ev], offsets)
+
+    def _category(self, root: BlockKey) -> int:
+        c = self.categories.get(root)
+        if c is None:
+            c = len(self.categories) + 1
+            if c >= self.max_categories:
+                return OTHER
+            self.categories[root] = c
+        return c
+
+    def _learn_gaps(self, rs: np.ndarray, gap: np.ndarray, reused: np.ndarray,
+                    cs: np.ndarray) -> None:
+        """One smoothing step per row with the mean log of its gaps in the batch (grouped
+        accesses `rs`, `gap` since the previous use; only re-uses past `min_gap_s` count)."""
+        ok = reused & (gap >= self.min_gap_s)
+        if not ok.any():
+            return
+        r = rs[ok]
+        lg = np.log(gap[ok])
+        c = cs[ok]
+        np.add.at(self.cat_n, c, 1.0)
+        np.add.at(self.cat_lg, c, lg)
+        np.add.at(self.cat_lg2, c, lg * lg)
+        starts = np.flatnonzero(np.concatenate(([True], r[1:] != r[:-1])))
+        if starts.size < r.size:  # a row used more than once: the mean of its gaps
+            k = np.diff(np.append(starts, r.size))
+            lg = np.add.reduceat(lg, starts) / k
+            r = r[starts]
+        else:
+            k = np.ones(r.size, dtype=np.int64)
+        mean = lg.astype(np.float32)
+        first = self.gaps[r] == 0
+        mu, var = self.gap_mu[r], self.gap_var[r]
+        d = mean - mu
+        a = np.float32(self.alpha)
+        self.gap_mu[r] = np.where(first, mean, mu + a * d)
+        self.gap_var[r] = np.where(first, np.float32(0.25), (1 - a) * (var + a * d * d))
+        self.gaps[r] = np.minimum(self.gaps[r] + k, _GAPS_MAX)
+
+    def _inherit(self, rows: np.ndarray, fresh: np.ndarray, ev: np.ndarray,
+                 offsets: np.ndarray, owners_ev: np.ndarray) -> None:
+        """A first-used block takes the gap history of the deepest block of its request used
+        before, when the same session created that one (its own history, not a prompt that
+        other sessions share)."""
+        if not fresh.any():
+            return
+        n = rows.size
+        last_old = np.maximum.accumulate(np.where(~fresh, np.arange(n), -1))
+        ctx = np.empty(n, dtype=np.int64)
+        ctx[0] = -1
+        ctx[1:] = last_old[:-1]
+        pos = np.flatnonzero(fresh)
+        c = ctx[pos]
+        ok = (c >= offsets[ev[pos]])  # within the same request
+        src = rows[np.where(ok, c, 0)]
+        ok &= self.owner[src] == owners_ev[ev[pos]]
+        if ok.any():
+            s, d = src[ok], rows[pos[ok]]
+            self.gap_mu[d] = self.gap_mu[s]
+            self.gap_var[d] = self.gap_var[s]
+            self.gaps[d] = self.gaps[s]
+
+    def _new_row(self, key: BlockKey) -> int:
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        if row >= self.high:
+            self.high = row + 1
+        self.index[key] = row
+        self.keys[row] = key
+        self.live[row] = True
+        return row
+
+    def _grow(self) -> None:
+        old = self.live.shape[0]
+        new = old * 2
+        for name in ("live", "last_t", "last_tick", "count", "gap_mu", "gap_var", "gaps", "cat",
+                     "owner", "tier"):
+            a = getattr(self, name)
+            b = np.zeros(new, dtype=a.dtype)
+            b[:old] = a
+            setattr(self, name, b)
+        for code, flag in self._pending.items():
+            grown = np.zeros(new, dtype=bool)
+            grown[:old] = flag
+            self._pending[code] = grown
+        self.keys.extend([None] * (new - old))
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def _decay(self) -> None:
+        self._since_decay = 0
+        for a in (self.reached, self.reused, self.cat_n, self.cat_lg, self.cat_lg2):
+            a *= 0.5
+
+    def _note_session(self, session: str, keys: Sequence[BlockKey], t: float) -> None:
+        if not session:
+            return
+        rec = self.sessions.get(session)
+        ks = tuple(keys[-self.session_keys:])
+        if rec is None:
+            self.sessions[session] = SessionRecord(t, float(len(keys)), ks)
+            while len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+            return
+        self.sessions.move_to_end(session)
+        rec.score = rec.score * math.exp(-max(0.0, t - rec.last_t) / SESSION_TAU_S) + len(keys)
+        rec.last_t = t
+        rec.keys = ks
+
+    # ------------------------------------------------------------------ rows
+    def rows_of(self, keys: Sequence[BlockKey]) -> np.ndarray:
+        """Rows of `keys` (int64); unknown keys get -1."""
+        return np.fromiter(map(self.index.get, keys, repeat(-1)), dtype=np.int64,
+                           count=len(keys))
+
+    def key_of(self, row: int) -> BlockKey | None:
+        return self.keys[row] if 0 <= row < len(self.keys) else None
+
+    def keys_of(self, rows: np.ndarray) -> list[BlockKey]:
+        """The keys of live `rows` (free rows are skipped)."""
+        return [k for k in map(self.keys.__getitem__, rows.tolist()) if k is not None]
+
+    def forget(self, rows: np.ndarray) -> None:
+        """Drop rows (their blocks are gone from the store); they go back to the free list."""
+        for r in rows.tolist():
+            k = self.keys[r]
+            if k is None:
+                continue
+            del self.index[k]
+            self.keys[r] = None
+            self.live[r] = False
+            self.tier[r] = NONE
+            self._free.append(r)
+
+    def ensure_rows(self, keys: Sequence[BlockKey]) -> np.ndarray:
+        """Rows of `keys`, created (with no history) for keys placement has not seen used."""
+        rows = self.rows_of(keys)
+        for i in np.flatnonzero(rows < 0).tolist():
+            r = self.index.get(keys[i])
+            if r is None:
+                r = self._new_row(keys[i])
+                self.count[r] = 0
+                self.gaps[r] = 0
+                self.cat[r] = OTHER
+                self.owner[r] = 0
+                self.last_t[r] = 0.0
+            rows[i] = r
+        return rows
+
+    def _arrive(self, code: int, rows: np.ndarray) -> None:
+        flag = self._pending[code]
+        new = rows[~flag[rows]]  # each row once until taken
+        flag[new] = True
+        self._arrived[code].append(new)
+        self._arrived_n[code] += new.size
+
+    def moved(self, rows: np.ndarray, code: int) -> None:
+        """`rows` were moved to tier `code` (NONE: evicted) by placement."""
+        self.tier[rows] = code
+        if code in self._arrived:
+            self._arrive(code, rows)
+
+    def take_arrived(self, code: int) -> np.ndarray:
+        """Distinct live rows that entered hot or warm (`code`) since the last call."""
+        parts = self._arrived[code]
+        if not parts:
+            return np.zeros(0, dtype=np.int64)
+        rows = np.concatenate(parts)
+        parts.clear()
+        self._arrived_n[code] = 0
+        self._pending[code][rows] = False
+        out: np.ndarray = rows[self.live[rows]]
+        return out
+
+    def trim_arrived(self, limit: int) -> None:
+        """Keep at most the last `limit` arrivals per tier for the next `take_arrived`."""
+        for code, parts in self._arrived.items():
+            if self._arrived_n[code] > 2 * limit:
+                rows = np.concatenate(parts)
+                self._pending[code][rows[:-limit]] = False
+                self._arrived[code] = [rows[-limit:]]
+                self._arrived_n[code] = limit
+
+    def sweep(self, n: int) -> np.ndarray:
+        """The next `n` rows of a cursor that cycles over every row (live ones returned)."""
+        if self.high == 0 or n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        lo = self._cursor if self._cursor < self.high else 0
+        hi = min(self.high, lo + n)
+        self._cursor = hi
+        rows = np.arange(lo, hi, dtype=np.int64)
+        return rows[self.live[lo:hi]]
+
+    def sample(self, code: int, n: int, rng: np.random.Generator, *, draws: int) -> np.ndarray:
+        """Up to `n` distinct rows believed in tier `code`, from `draws` random rows."""
+        if self.high == 0 or n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        rows = rng.integers(0, self.high, size=draws)
+        rows = rows[self.tier[rows] == code]  # free rows have no tier
+        return np.unique(rows[:n])
+
+    # ------------------------------------------------------------------ the reuse model
+    def reuse_tables(self) -> ReuseTables:
+        """Per category: reuse odds by use count, and the log-gap mean and deviation (a wide
+        prior where a category has none yet). Small arrays: computed once per round."""
+        odds = np.minimum((self.reused + 0.5) / (self.reached + 1.0), 0.995)
+        n = self.cat_n
+        seen = n > 1.5
+        safe = np.maximum(n, 1e-9)
+        mu = np.where(seen, self.cat_lg / safe, self.prior_mu)
+        var = np.where(seen, self.cat_lg2 / safe - mu * mu, self.prior_var)
+        return ReuseTables(odds, mu.astype(np.float32),
+                           np.sqrt(np.maximum(var, 0.04)).astype(np.float32))
+
+    def reuse_model(self, rows: np.ndarray, tables: ReuseTables
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per row: reuse odds (its category and use count), and the mean and deviation of the
+        log time to its next use (its own gaps when it has some, else its category's)."""
+        c = self.cat[rows]
+        q = tables.odds[c, np.minimum(self.count[rows], CLASSES)]
+        own = self.gaps[rows] > 0
+        mu = np.where(own, self.gap_mu[rows], tables.mu[c])
+        s = np.where(own, np.sqrt(np.maximum(self.gap_var[rows], 0.04)), tables.sigma[c])
+        return q, mu, s
+
+
+class ReuseTables(NamedTuple):
+    odds: np.ndarray  # (categories, CLASSES + 1): P(used again | use count); column 0 unused
+    mu: np.ndarray  # (categories,) mean log gap (seconds)
+    sigma: np.ndarray  # (categories,) deviation of the log gap

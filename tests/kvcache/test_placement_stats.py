@@ -1,0 +1,175 @@
+"""What placement remembers of block accesses: rows, counts, gaps, inheritance, the reuse model,
+arrivals, the sweep; and the access feed between the store and placement."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from kvagentd.kvcache.placement.base import HOT, NONE, WARM
+from kvagentd.kvcache.placement.feed import Access, AccessFeed
+from kvagentd.kvcache.placement.stats import AccessStats
+from kvagentd.kvcache.placement.summary import load_summary, save_summary
+
+
+def k(s: str, i: int = 0) -> bytes:
+    return f"{s}:{i}".encode().ljust(16, b"\0")
+
+
+def ev(keys: list[bytes], session: str, t: float) -> Access:
+    return Access(keys, session, t)
+
+
+def test_record_counts_uses_and_marks_blocks_hot():
+    st = AccessStats()
+    a, b = k("a"), k("b")
+    r1 = st.record([ev([a, b], "s", 10.0)])
+    assert r1.prev_tier.tolist() == [NONE, NONE] and r1.offsets.tolist() == [0, 2]
+    r2 = st.record([ev([a], "s", 12.0)])
+    assert r2.prev_tier.tolist() == [HOT] and r2.rows.tolist() == r1.rows[:1].tolist()
+    ra, rb = st.rows_of([a, b]).tolist()
+    assert st.count[ra] == 2 and st.count[rb] == 1
+    assert st.last_t[ra] == 12.0 and st.last_t[rb] == 10.0
+    assert st.tier[ra] == HOT and len(st) == 2 and st.tick == 2
+
+
+def test_a_batch_with_repeats_counts_every_use_and_keeps_the_latest():
+    st = AccessStats()
+    a, b = k("a"), k("b")
+    st.record([ev([a], "s", 1.0)])
+    st.tier[st.rows_of([a])] = WARM  # placement moved it
+    rec = st.record([ev([a, b], "s", 5.0), ev([a], "t", 7.0), ev([b, a], "s", 9.0)])
+    # first use of `a` in the batch finds it in warm, later ones in hot; `b` is new
+    assert rec.prev_tier.tolist() == [WARM, NONE, HOT, HOT, HOT]
+    assert rec.ticks.tolist() == [1, 1, 2, 3, 3]
+    ra, rb = st.rows_of([a, b]).tolist()
+    assert st.count[ra] == 4 and st.count[rb] == 2
+    assert st.last_t[ra] == 9.0 and st.last_tick[ra] == 3
+
+
+def test_gaps_are_learned_and_new_blocks_of_a_session_inherit_them():
+    st = AccessStats()
+    sys_ = [k("sys")]
+    conv = [k("c", 0)]
+    for i, t in enumerate((0.0, 100.0, 200.0, 300.0)):
+        conv = conv + [k("c", i + 1)]
+        st.record([ev(sys_ + conv, "chat", t)])
+    r0, r_new = st.rows_of([k("c", 0), k("c", 4)]).tolist()
+    assert st.gaps[r0] == 3
+    assert math.exp(float(st.gap_mu[r0])) == pytest.approx(100.0, rel=1e-4)
+    assert st.gaps[r_new] == 3 and st.gap_mu[r_new] == st.gap_mu[r0]  # inherited
+    # another session's first request after the shared prompt inherits nothing from it
+    st.record([ev(sys_ + [k("other", 0)], "other", 301.0)])
+    assert st.gaps[st.rows_of([k("other", 0)])[0]] == 0
+
+
+def test_reuse_odds_follow_the_category_and_use_count():
+    st = AccessStats()
+    t = 0.0
+    for i in range(50):  # api: a system prompt, one-shot documents
+        st.record([ev([k("api-sys"), k("doc", i)], f"api-{i}", t)])
+        t += 1.0
+    for i in range(50):  # chat: every conversation comes back once
+        st.record([ev([k("chat-sys"), k("conv", i)], f"chat-{i}", t)])
+        st.record([ev([k("chat-sys"), k("conv", i)], f"chat-{i}", t + 30.0)])
+        t += 1.0
+    tables = st.reuse_tables()
+    doc = st.rows_of([k("doc", 0)])
+    st.count[doc] = 1  # as if used once
+    q_doc, _, _ = st.reuse_model(doc, tables)
+    conv = st.rows_of([k("conv", 0)])
+    st.count[conv] = 1
+    q_conv, mu, s = st.reuse_model(conv, tables)
+    assert q_doc[0] < 0.05 and q_conv[0] > 0.9
+    assert math.exp(float(mu[0])) == pytest.approx(30.0, rel=1e-3) and s[0] > 0
+
+
+def test_arrivals_are_taken_once_and_trimmed():
+    st = AccessStats()
+    st.record([ev([k("a"), k("b")], "s", 1.0), ev([k("a")], "s", 2.0)])
+    got = st.take_arrived(HOT)
+    assert sorted(got.tolist()) == sorted(st.rows_of([k("a"), k("b")]).tolist())
+    assert st.take_arrived(HOT).size == 0
+    st.moved(st.rows_of([k("b")]), WARM)
+    assert st.take_arrived(WARM).tolist() == st.rows_of([k("b")]).tolist()
+    for i in range(100):
+        st.record([ev([k("x", i)], "s", 3.0 + i)])
+    st.trim_arrived(10)
+    assert st.take_arrived(HOT).size <= 20
+
+
+def test_forgotten_rows_are_reused_and_the_sweep_visits_every_row():
+    st = AccessStats(capacity=16)
+    st.record([ev([k("r", i) for i in range(40)], "s", 1.0)])  # grows past its capacity
+    assert len(st) == 40
+    seen: set[int] = set()
+    for _ in range(5):
+        seen.update(st.sweep(10).tolist())
+    assert seen == set(st.rows_of([k("r", i) for i in range(40)]).tolist())
+    gone = st.rows_of([k("r", 3)])
+    st.forget(gone)
+    assert st.rows_of([k("r", 3)])[0] == -1 and len(st) == 39
+    st.record([ev([k("new")], "s", 2.0)])
+    assert st.rows_of([k("new")])[0] == gone[0] and st.count[gone[0]] == 1
+    made = st.ensure_rows([k("never-used"), k("new")])
+    assert made[1] == gone[0] and st.count[made[0]] == 0 and len(st) == 41
+
+
+def test_sessions_summary_round_trip(tmp_path):
+    st = AccessStats()
+    for t in range(5):
+        st.record([ev([k("busy", 0), k("busy", 1)], "busy", float(t))])
+    st.record([ev([k("quiet", 0)], "quiet", 5.0)])
+    path = tmp_path / "summary.json"
+    save_summary(path, st.sessions, max_sessions=8)
+    s = load_summary(path)
+    assert [x.session for x in s] == ["busy", "quiet"]
+    assert s[0].keys == (k("busy", 0), k("busy", 1)) and s[0].score > s[1].score > 0
+    save_summary(path, st.sessions, max_sessions=1)
+    assert [x.session for x in load_summary(path)] == ["busy"]
+
+
+def test_summary_missing_is_empty_and_malformed_raises(tmp_path):
+    assert load_summary(tmp_path / "none.json") == []
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"sessions": [{"session": 1}]}')
+    with pytest.raises(ValueError):
+        load_summary(bad)
+    old = tmp_path / "v1.json"  # the heat summary of earlier versions still loads
+    old.write_text('{"version": 1, "tick": 3, "sessions": [{"session": "a", "heat": 2.5, '
+                   '"keys": ["' + k("a").hex() + '"]}]}')
+    assert [(x.session, x.score, x.keys) for x in load_summary(old)] == [("a", 2.5, (k("a"),))]
+
+
+def test_feed_buffers_in_order_and_drops_the_oldest_when_full():
+    t = [0.0]
+    feed = AccessFeed(capacity=3, clock=lambda: t[0])
+    for i in range(5):
+        t[0] = float(i)
+        feed.record([k("b", i)], f"s{i}")
+    got = feed.drain()
+    assert [(e.session, e.time) for e in got] == [("s2", 2.0), ("s3", 3.0), ("s4", 4.0)]
+    assert feed.dropped == 2 and feed.recorded == 5 and feed.drain() == []
+    assert not feed.wait(0.0)
+    done = threading.Event()
+
+    def waiter() -> None:
+        if feed.wait(5.0):
+            done.set()
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    feed.record([k("x")], "s")
+    th.join(5.0)
+    assert done.is_set()
+    with pytest.raises(ValueError):
+        AccessFeed(capacity=0)
+
+
+def test_rows_of_unknown_keys_are_minus_one():
+    st = AccessStats()
+    assert st.rows_of([k("nope")]).tolist() == [-1]
+    assert isinstance(st.keys_of(np.array([], dtype=np.int64)), list)
