@@ -159,7 +159,7 @@ class KVConfig:
 
 @dataclass(frozen=True, slots=True)
 class PlacementConfig:
-    policy: Literal["lru", "heat", "heat+prefetch", "reuse"] = "heat+prefetch"
+    policy: Literal["lru", "heat", "heat+prefetch", "reuse"] = "reuse"
     heatmap_window: int = field(default=200, metadata=_rng(1, 100_000))
     hot_factor: float = field(default=1.8, metadata=_rng(0.0, 100.0))
     warm_factor: float = field(default=0.9, metadata=_rng(0.0, 100.0))

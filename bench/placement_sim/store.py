@@ -144,17 +144,20 @@ class SimStore:
 
     def demote(self, keys: Sequence[BlockKey], tier: Tier) -> int:
         dst = CODE_OF[tier]
-        ids = [i for k in keys if (i := self.id_of.get(k)) is not None and i not in self.pending
-               and self.tier[i] != NONE and int(self.tier[i]) < dst]
-        if dst != COLD and self._free(dst) < len(ids):
-            self._make_room(dst, len(ids), frozenset(ids), background=True)
-        n = 0
-        for i in ids:
-            if dst != COLD and self._free(dst) <= 0:
-                break
-            self._move(i, dst, background=True)
-            n += 1
-        return n
+        ids = self._ids(keys)
+        t = self.tier[ids]
+        ids = ids[(t != NONE) & (t < dst) & ~np.isfinite(self.pending_at[ids])]
+        if ids.size == 0:
+            return 0
+        if dst != COLD and self._free(dst) < ids.size:
+            self._make_room(dst, int(ids.size), frozenset(ids.tolist()), background=True)
+            ids = ids[:max(0, self._free(dst))]
+        self._move_many(ids, dst, background=True)
+        return int(ids.size)
+
+    def _ids(self, keys: Sequence[BlockKey]) -> np.ndarray:
+        ids = np.fromiter(map(self.id_of.get, keys, repeat(-1)), np.int64, len(keys))
+        return np.unique(ids[ids >= 0])
 
     def evict(self, keys: Sequence[BlockKey]) -> int:
         n = 0
@@ -206,15 +209,12 @@ class SimStore:
                     if n:
                         key = f"{kind}/{t}"
                         c.misses_by_class[key] = c.misses_by_class.get(key, 0) + n
-            up = ids[~hot].tolist()
-            self._make_room(HOT, len(up), frozenset(ids.tolist()), background=False)
-            for i in up:
-                if self._free(HOT) <= 0:
-                    break  # the store could not make room: the block stays where it is
-                if self.tier[i] == NONE:
-                    self._place(i, HOT)
-                else:
-                    self._move(i, HOT, background=False)
+            up = ids[~hot]
+            self._make_room(HOT, int(up.size), frozenset(ids.tolist()), background=False)
+            up = up[:max(0, self._free(HOT))]  # what the store cannot make room for stays
+            new = self.tier[up] == NONE
+            self._place_many(up[new], HOT)
+            self._move_many(up[~new], HOT, background=False)
         self.last_access[ids] = now
         self.owner[ids] = session
         lru = self.lru[HOT]
@@ -288,6 +288,46 @@ class SimStore:
             self.slot_of[i] = s
             self.lru[t][i] = None
 
+    def _leave_many(self, ids: np.ndarray) -> None:
+        """Take blocks `ids` out of their pools (slots freed, not idle any more)."""
+        for t in _POOLS:
+            sel = ids[self.tier[ids] == t]
+            if sel.size == 0:
+                continue
+            lru = self.lru[t]
+            for i in sel.tolist():
+                lru.pop(i, None)
+            slots = self.slot_of[sel]
+            self.owners[t][slots] = -1
+            self.free_slots[t].extend(slots.tolist())
+            self.slot_of[sel] = -1
+
+    def _place_many(self, ids: np.ndarray, t: int) -> None:
+        """Put blocks `ids` (out of every pool) into tier `t`, most recent last."""
+        self.tier[ids] = t
+        if t in self.lru and ids.size:
+            free = self.free_slots[t]
+            slots = free[-ids.size:][::-1]
+            del free[-ids.size:]
+            sl = np.asarray(slots, dtype=np.int64)
+            self.owners[t][sl] = ids
+            self.slot_of[ids] = sl
+            self.lru[t].update(dict.fromkeys(ids.tolist()))
+
+    def _move_many(self, ids: np.ndarray, t: int, *, background: bool) -> None:
+        if ids.size == 0:
+            return
+        self._leave_many(ids)
+        if t == COLD:
+            fresh = ~self.cold_copy[ids]
+            self.c.cold_write_bytes += int(fresh.sum()) * self.block_bytes
+            self.cold_copy[ids] = True
+        self._place_many(ids, t)
+        if background:
+            self.c.bytes_background += int(ids.size) * self.block_bytes
+        else:
+            self.c.bytes_foreground += int(ids.size) * self.block_bytes
+
     def _move(self, i: int, t: int, *, background: bool) -> None:
         self._leave(i)
         if t == COLD and not self.cold_copy[i]:
@@ -313,11 +353,12 @@ class SimStore:
         lower = WARM if t == HOT else COLD
         if lower == WARM:
             self._make_room(WARM, len(victims), protect, background=background)
-        for i in victims:
-            dst = lower if self._free(lower) > 0 else COLD  # as the store: warm full -> cold
-            self._move(i, dst, background=background)
-            if not background:
-                self.c.foreground_demotions += 1
+        v = np.asarray(victims, dtype=np.int64)
+        fits = max(0, min(v.size, self._free(lower)))  # as the store: warm full -> cold
+        self._move_many(v[:fits], lower, background=background)
+        self._move_many(v[fits:], COLD, background=background)
+        if not background:
+            self.c.foreground_demotions += int(v.size)
 
     def check(self) -> None:
         """Capacity and pool bookkeeping hold (tests)."""

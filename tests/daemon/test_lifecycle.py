@@ -70,7 +70,7 @@ def test_sighup_reloads_log_level_and_keeps_old_config_on_error(spawn, short_dir
     p.notify.wait_for("READY=1")
     cfg = p.get("/v1/config")["config"]
     assert cfg["daemon"]["log_level"] == "debug"
-    assert cfg["placement"]["policy"] == "heat+prefetch"  # needs a restart: not applied
+    assert cfg["placement"]["policy"] == "reuse"  # needs a restart: not applied
     reloaded = [e for e in _json_events(p.output()) if e.get("event") == "config_reloaded"]
     assert reloaded[-1]["applied"] == {"daemon.log_level": ["info", "debug"]}
     assert reloaded[-1]["restart_required"] == ["placement.policy"]

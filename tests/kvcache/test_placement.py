@@ -112,7 +112,9 @@ def test_rounds_never_exceed_capacity_nor_move_a_block_twice(wl, policy):
             plan = env.svc.run_round()
             keys = [m.key for m in plan]
             assert len(keys) == len(set(keys))
-            assert len(plan) <= env.svc.policy.params.max_moves(caps)
+            cap = env.svc.policy.params.max_moves(caps)
+            assert sum(1 for m in plan if m.action is Action.DEMOTE) <= cap
+            assert sum(1 for m in plan if m.action is Action.PROMOTE) <= cap
             env.store.check()
         t += 1.0
 

@@ -44,15 +44,14 @@ from .stats import AccessStats, ReuseTables
 @dataclass(frozen=True, slots=True)
 class PolicyParams:
     hot_factor: float = 1.8  # heat: promote at >= hot_factor x the mean heat looked at
-    warm_factor: float = 0.9  # heat: kept for the configuration's sake (ranking decides)
+    warm_factor: float = 0.9  # heat: a hot victim below warm_factor x mean heat goes to cold
     hysteresis: float = 0.2  # heat: a rising block must be this much hotter than the mean
     window_fraction: float = 0.25  # demotions (and promotions) per round <= this share of hot
     headroom_fraction: float = 0.03  # free share of hot / warm kept for foreground requests
     batch_fraction: float = 0.03  # demote at least this share of capacity when short
-    sample: int = 64  # random idle blocks looked at per tier that needs room (at least)
-    lru_candidates: int = 32  # least recently used idle blocks looked at (at least)
-    sample_per_victim: float = 1.0  # scoring policies: random blocks looked at per block to move
-    lru_per_victim: float = 1.0  # scoring policies: least recent blocks looked at per block
+    sample: int = 64  # scoring policies: blocks of a tier drawn at random (at least)
+    sample_per_victim: float = 2.0  # ... and per block to move
+    lru_candidates: int = 32  # scoring policies: the store's least recently used ones
 
     def max_moves(self, caps: Capacities) -> int:
         return max(1, int(self.window_fraction * caps.hot))
@@ -76,11 +75,14 @@ class Candidates:
     def __len__(self) -> int:
         return len(self.keys) if self.keys is not None else int(self.rows.shape[0])
 
-    def without(self, rows: np.ndarray) -> Candidates:
+    def without(self, rows: np.ndarray, stats: AccessStats) -> Candidates:
         """These candidates but `rows` (row-based candidates only)."""
         if self.keys is not None or rows.size == 0:
             return self
-        keep = ~np.isin(self.rows, rows)
+        drop = stats.common(rows, self.rows)
+        if drop.size == 0:
+            return self
+        keep = ~np.isin(self.rows, drop)
         return Candidates(self.rows[keep], self.tier[keep])
 
     def keys_at(self, stats: AccessStats, idx: np.ndarray) -> list[BlockKey]:
@@ -154,13 +156,14 @@ def _batch(stats: AccessStats, c: Candidates, idx: np.ndarray, src: Tier, dst: T
 
 def _demotions(view: RoundView, stats: AccessStats, p: PolicyParams,
                score: Mapping[Tier, np.ndarray], reason: Reason, budget: _Budget, *,
-               direct_to_cold: bool) -> list[MoveBatch]:
+               direct_to_cold: bool, cold_below: float | None = None) -> list[MoveBatch]:
     """Demote the lowest-scored candidates until hot and warm have their head-room back.
 
     Hot victims go to warm; warm makes room for them and for its own head-room by sending its
     lowest-scored candidates to cold. With `direct_to_cold`, hot victims compete with warm's
-    candidates for warm's slots, and those that lose go straight to cold. Order: everything
-    bound for cold first, then hot -> warm, so every step fits."""
+    candidates for warm's slots, and those that lose go straight to cold; with `cold_below`,
+    hot victims scored below it go straight to cold. Order: everything bound for cold first,
+    then hot -> warm, so every step fits."""
     hot = view.victims.get(Tier.HOT, NO_CANDIDATES)
     warm = view.victims.get(Tier.WARM, NO_CANDIDATES)
     s_hot = score.get(Tier.HOT, np.zeros(0))
@@ -173,11 +176,15 @@ def _demotions(view: RoundView, stats: AccessStats, p: PolicyParams,
                + view.incoming.get(Tier.WARM, 0))
     n_warm = short_w + p.batch(cap_w) if short_w > 0 else 0
     out = np.zeros(v_hot.size, dtype=bool)  # hot victims that go straight to cold
+    if cold_below is not None:
+        out = s_hot[v_hot] < cold_below
     if direct_to_cold and n_warm > 0 and v_hot.size:
         s = np.concatenate([s_warm, s_hot[v_hot]])
         order = np.argsort(s, kind="stable")[:min(n_warm, s.size)]
         from_warm = order[order < len(warm)]
         out[order[order >= len(warm)] - len(warm)] = True
+    elif cold_below is not None:
+        from_warm = np.argsort(s_warm, kind="stable")[:max(0, n_warm - int(out.sum()))]
     else:
         from_warm = np.argsort(s_warm, kind="stable")[:max(0, n_warm)]
     from_warm = budget.take(from_warm)
@@ -308,11 +315,12 @@ class HeatPolicy(PlacementPolicy):
         p = self.params
         budget = _Budget(p.max_moves(view.caps))
         score = {t: _heat_of(heat, stats, c.rows) for t, c in view.victims.items()}
-        moves = _demotions(view, stats, p, score, Reason.HEAT, budget, direct_to_cold=True)
         r = view.risers
         h = _heat_of(heat, stats, r.rows)
         seen = np.concatenate([h, *score.values()])
         mean = float(seen.mean()) if seen.size else 0.0
+        moves = _demotions(view, stats, p, score, Reason.HEAT, budget, direct_to_cold=False,
+                           cold_below=p.warm_factor * mean)
         hot_enough = (h >= p.hot_factor * mean * (1.0 + p.hysteresis)) & (h > 0)
         rows = r.rows.tolist()
         wanted = np.fromiter((x in view.wants for x in rows), bool, len(rows))

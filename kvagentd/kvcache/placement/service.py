@@ -299,19 +299,20 @@ class PlacementService:
             victims[t] = self._victims(t, need)
         if len(victims) == 2 and self.policy.wants_sample:
             # a block placement believes in hot that the store has in warm is nobody's this round
-            both = np.intersect1d(victims[Tier.HOT].rows, victims[Tier.WARM].rows)
+            both = self.stats.common(victims[Tier.HOT].rows, victims[Tier.WARM].rows)
             if both.size:
-                victims = {t: c.without(both) for t, c in victims.items()}
+                victims = {t: c.without(both, self.stats) for t, c in victims.items()}
         if len(risers):  # the store's word (risers) over placement's belief (victims)
-            victims = {t: c.without(risers.rows) for t, c in victims.items()}
+            victims = {t: c.without(risers.rows, self.stats) for t, c in victims.items()}
         self.stats.trim_arrived(4 * (caps.hot + caps.warm))
         return RoundView(now, caps, free, victims, risers, wants, incoming)
 
     def _victims(self, tier: Tier, need: int) -> Candidates:
-        """Idle blocks of `tier` that may go down. `lru`: the store's `need` least recently
-        used ones, in that order. Scoring policies: the blocks that entered the tier since it
-        was last short (hot: brought in by their use; warm: demoted there by placement), and
-        in proportion to `need` the store's least recently used ones and some at random. A
+        """Blocks of `tier` that may go down. `lru`: the store's `need` least recently used
+        idle ones, in that order. Scoring policies: the blocks that entered the tier since it
+        was last short (hot: brought in by their use; warm: demoted there by placement), a
+        uniform sample of the blocks placement believes are there (in proportion to `need`)
+        and a few of the store's least recently used ones; all numpy, no key is looked up. A
         block that has moved since placement last looked costs a planned move that the store
         skips (it moves only idle blocks of the tier they are in)."""
         p = self.policy.params
@@ -319,12 +320,13 @@ class PlacementService:
         if not self.policy.wants_sample:
             keys = self.store.least_recent_idle(tier, need)
             return Candidates(np.zeros(0, np.int64), np.full(len(keys), code, np.int8), keys)
-        keys = self.store.least_recent_idle(tier, p.lru_candidates + int(p.lru_per_victim * need))
-        keys += self.store.sample_idle(tier, max(p.sample, int(p.sample_per_victim * need)))
+        lru = self.stats.ensure_rows(self.store.least_recent_idle(tier, p.lru_candidates))
+        self.stats.believe(lru, code)
+        sample = self.stats.sample_tier(code, max(p.sample, int(p.sample_per_victim * need)),
+                                        self._rng)
         arrived = self.stats.take_arrived(code)
-        rows = np.unique(np.concatenate([self.stats.ensure_rows(keys),
-                                         arrived[self.stats.tier[arrived] == code]]))
-        self.stats.tier[rows] = code
+        rows = self.stats.distinct(
+            np.concatenate([lru, sample, arrived[self.stats.tier[arrived] == code]]))
         return Candidates(rows, np.full(rows.size, code, np.int8))
 
     def _risers(self, rows: np.ndarray) -> Candidates:
@@ -334,7 +336,8 @@ class PlacementService:
         keys = self.stats.keys_of(rows)
         rows = self.stats.rows_of(keys)
         st = self.store.block_states(keys)
-        self.stats.tier[rows[st.known]] = st.tier[st.known]
+        for code in np.unique(st.tier[st.known]).tolist():
+            self.stats.believe(rows[st.known & (st.tier == code)], code)
         ok = st.idle & ((st.tier == CODE_OF[Tier.WARM]) | (st.tier == CODE_OF[Tier.COLD]))
         return Candidates(rows[ok], st.tier[ok])
 

@@ -6,13 +6,15 @@ round reads the columns of the rows it looks at. Per row:
 - `last_t`, `last_tick`, `count`: when, at which event, and how often it was used;
 - `gap_mu`, `gap_var`, `gaps`: an exponentially smoothed mean and variance of the log of the
   time between its uses (seconds), and how many gaps it has seen. A block used for the first
-  time inherits them from the deepest block of the same request that was used before (its
-  session's history: a conversation's new blocks come back when its older ones do);
+  time inherits them from the deepest block of the same request that was used before, when
+  its session created that one (its session's history: a conversation's new blocks come back
+  when its older ones do), and counts that block's uses as its own (`base`): a block new in a
+  conversation's tenth turn is as likely to come back as the conversation;
 - `cat`: its category, the first block of the request that first used it (the system prompt
   of its application); `tier`: where placement believes it is (as of its own last look).
 
-Per category and use count (1, 2, 3 or more) the table counts how many blocks reached that
-count and how many were used again after it (`reuse_odds`), and per category the mean and
+Per category and use count (1, 2, 3 or more, `base` included) the table counts how many
+blocks reached that count and how many were used again after it (`reuse_odds`), and per category the mean and
 variance of log gaps: a block's reuse is predicted from its own gaps when it has some, from
 its category otherwise. Counts are halved every `decay_every` block accesses, so the model
 follows a changing workload.
@@ -82,8 +84,10 @@ class AccessStats:
         self.gaps = np.zeros(cap, dtype=np.int16)
         self.cat = np.zeros(cap, dtype=np.int32)
         self.owner = np.zeros(cap, dtype=np.int64)  # hash of the session that first used it
+        self.base = np.zeros(cap, dtype=np.int32)  # uses of its session's history before it
         self.tier = np.zeros(cap, dtype=np.int8)
-        self.keys: list[BlockKey | None] = [None] * cap
+        self._scratch = np.zeros(cap, dtype=np.int64)  # for `distinct` / `common`
+        self.keys = np.full(cap, None, dtype=object)  # row -> its block key (None: free)
         self.index: dict[BlockKey, int] = {}
         self._free: list[int] = list(range(cap - 1, -1, -1))
         self.high = 0  # rows [0, high) have been used
@@ -95,6 +99,10 @@ class AccessStats:
         self._arrived: dict[int, list[np.ndarray]] = {HOT: [], WARM: []}
         self._arrived_n = {HOT: 0, WARM: 0}
         self._pending = {HOT: np.zeros(cap, dtype=bool), WARM: np.zeros(cap, dtype=bool)}
+        # rows believed in hot / in warm, for uniform sampling (entries that left are skipped)
+        self._member = {HOT: np.zeros(cap, dtype=bool), WARM: np.zeros(cap, dtype=bool)}
+        self._members = {HOT: np.zeros(1024, dtype=np.int64), WARM: np.zeros(1024, dtype=np.int64)}
+        self._mlen = {HOT: 0, WARM: 0}
         self._cursor = 0
         self.sessions: OrderedDict[str, SessionRecord] = OrderedDict()
         self.categories: dict[BlockKey, int] = {}
@@ -133,12 +141,13 @@ class AccessStats:
         t = np.fromiter((e.time for e in events), np.float64, ne)[ev]
         rows = np.fromiter(map(self.index.get, keys, repeat(-1)), np.int64, n)
         fresh = np.zeros(n, dtype=bool)  # the access that creates its row
-        for i in np.flatnonzero(rows < 0).tolist():
-            r = self.index.get(keys[i])
-            if r is None:
-                r = self._new_row(keys[i])
-                fresh[i] = True
-            rows[i] = r
+        miss = np.flatnonzero(rows < 0)
+        if miss.size:
+            mk = [keys[i] for i in miss.tolist()]
+            self._new_rows(list(dict.fromkeys(mk)))
+            rm = np.fromiter(map(self.index.__getitem__, mk), np.int64, len(mk))
+            rows[miss] = rm
+            fresh[miss[self._firsts(rm)]] = True
         # accesses grouped by row, in access order within a group
         order = np.lexsort((np.arange(n), rows))
         rs, ts = rows[order], t[order]
@@ -159,16 +168,18 @@ class AccessStats:
         self.cat[new_rows] = cats_ev[ev[fresh]]
         self.owner[new_rows] = owners_ev[ev[fresh]]
         self.count[new_rows] = 0
+        self.base[new_rows] = 0
         self.gaps[new_rows] = 0
         self.gap_mu[new_rows] = 0.0
         self.gap_var[new_rows] = 0.0
         # reuse counts by category and use count
         cnt = self.count[rs] + occ  # uses before this one
+        eff = cnt + self.base[rs]  # ... counting its session's history
         cs = self.cat[rs]
         reused = ~fresh_s
         cell = cs * (CLASSES + 1)
-        np.add.at(self._reused_flat, (cell + np.minimum(cnt, CLASSES))[reused], 1.0)
-        np.add.at(self._reached_flat, cell + np.minimum(cnt + 1, CLASSES), 1.0)
+        np.add.at(self._reused_flat, (cell + np.minimum(eff, CLASSES))[reused], 1.0)
+        np.add.at(self._reached_flat, cell + np.minimum(eff + 1, CLASSES), 1.0)
         self._learn_gaps(rs, ts - prev_t, reused, cs)
         self._inherit(rows, fresh, ev, offsets, owners_ev)
         last = np.ones(n, dtype=bool)
@@ -176,7 +187,7 @@ class AccessStats:
         self.last_t[rs[last]] = ts[last]
         self.last_tick[rs[last]] = ticks_ev[ev[order[last]]]
         self.count[rs[last]] = np.minimum(cnt[last] + 1, _COUNT_MAX)
-        self.tier[rs[last]] = HOT  # the store brings every block it serves into hot
+        self.believe(rs[last], HOT)  # the store brings every block it serves into hot
         self._arrive(HOT, rs[last])
         self.accesses += n
         self._since_decay += n
@@ -248,33 +259,47 @@ class AccessStats:
             self.gap_mu[d] = self.gap_mu[s]
             self.gap_var[d] = self.gap_var[s]
             self.gaps[d] = self.gaps[s]
+            self.base[d] = np.minimum(self.count[s] + self.base[s], _COUNT_MAX)
 
-    def _new_row(self, key: BlockKey) -> int:
-        if not self._free:
+    def _new_rows(self, keys: list[BlockKey]) -> np.ndarray:
+        """Rows for distinct keys placement has no row for (taken from the free list)."""
+        n = len(keys)
+        while len(self._free) < n:
             self._grow()
-        row = self._free.pop()
-        if row >= self.high:
-            self.high = row + 1
-        self.index[key] = row
-        self.keys[row] = key
-        self.live[row] = True
-        return row
+        rows = np.asarray(self._free[-n:][::-1], dtype=np.int64)
+        del self._free[-n:]
+        self.high = max(self.high, int(rows.max()) + 1) if n else self.high
+        self.index.update(zip(keys, rows.tolist()))
+        kv = np.empty(n, dtype=object)
+        kv[:] = keys
+        self.keys[rows] = kv
+        self.live[rows] = True
+        return rows
+
+    def _firsts(self, rows: np.ndarray) -> np.ndarray:
+        """Positions of the first occurrence of each row in `rows`, in O(len(rows))."""
+        idx = np.arange(rows.size)
+        self._scratch[rows[::-1]] = idx[::-1]
+        return np.flatnonzero(self._scratch[rows] == idx)
 
     def _grow(self) -> None:
         old = self.live.shape[0]
         new = old * 2
         for name in ("live", "last_t", "last_tick", "count", "gap_mu", "gap_var", "gaps", "cat",
-                     "owner", "tier"):
+                     "owner", "base", "tier", "_scratch"):
             a = getattr(self, name)
             b = np.zeros(new, dtype=a.dtype)
             b[:old] = a
             setattr(self, name, b)
-        for code, flag in self._pending.items():
-            grown = np.zeros(new, dtype=bool)
-            grown[:old] = flag
-            self._pending[code] = grown
-        self.keys.extend([None] * (new - old))
-        self._free.extend(range(new - 1, old - 1, -1))
+        for flags in (self._pending, self._member):
+            for code, flag in flags.items():
+                grown = np.zeros(new, dtype=bool)
+                grown[:old] = flag
+                flags[code] = grown
+        keys = np.full(new, None, dtype=object)
+        keys[:old] = self.keys
+        self.keys = keys
+        self._free[:0] = range(new - 1, old - 1, -1)  # below the free rows: low rows first
 
     def _decay(self) -> None:
         self._since_decay = 0
@@ -303,11 +328,12 @@ class AccessStats:
                            count=len(keys))
 
     def key_of(self, row: int) -> BlockKey | None:
-        return self.keys[row] if 0 <= row < len(self.keys) else None
+        k = self.keys[row] if 0 <= row < len(self.keys) else None
+        return k if isinstance(k, bytes) else None
 
     def keys_of(self, rows: np.ndarray) -> list[BlockKey]:
         """The keys of live `rows` (free rows are skipped)."""
-        return [k for k in map(self.keys.__getitem__, rows.tolist()) if k is not None]
+        return [k for k in self.keys[rows].tolist() if k is not None]
 
     def forget(self, rows: np.ndarray) -> None:
         """Drop rows (their blocks are gone from the store); they go back to the free list."""
@@ -324,16 +350,17 @@ class AccessStats:
     def ensure_rows(self, keys: Sequence[BlockKey]) -> np.ndarray:
         """Rows of `keys`, created (with no history) for keys placement has not seen used."""
         rows = self.rows_of(keys)
-        for i in np.flatnonzero(rows < 0).tolist():
-            r = self.index.get(keys[i])
-            if r is None:
-                r = self._new_row(keys[i])
-                self.count[r] = 0
-                self.gaps[r] = 0
-                self.cat[r] = OTHER
-                self.owner[r] = 0
-                self.last_t[r] = 0.0
-            rows[i] = r
+        miss = np.flatnonzero(rows < 0)
+        if miss.size:
+            mk = [keys[i] for i in miss.tolist()]
+            new = self._new_rows(list(dict.fromkeys(mk)))
+            self.count[new] = 0
+            self.base[new] = 0
+            self.gaps[new] = 0
+            self.cat[new] = OTHER
+            self.owner[new] = 0
+            self.last_t[new] = 0.0
+            rows[miss] = np.fromiter(map(self.index.__getitem__, mk), np.int64, len(mk))
         return rows
 
     def _arrive(self, code: int, rows: np.ndarray) -> None:
@@ -345,9 +372,62 @@ class AccessStats:
 
     def moved(self, rows: np.ndarray, code: int) -> None:
         """`rows` were moved to tier `code` (NONE: evicted) by placement."""
-        self.tier[rows] = code
+        self.believe(rows, code)
         if code in self._arrived:
             self._arrive(code, rows)
+
+    def believe(self, rows: np.ndarray, code: int) -> None:
+        """Placement's belief: `rows` are in tier `code` (as of now)."""
+        self.tier[rows] = code
+        member = self._member.get(code)
+        if member is None:
+            return
+        new = rows[~member[rows]]
+        if new.size:
+            new = np.unique(new)
+            member[new] = True
+            buf, n = self._members[code], self._mlen[code]
+            if n + new.size > buf.size:
+                grown = np.zeros(max(2 * buf.size, n + new.size), dtype=np.int64)
+                grown[:n] = buf[:n]
+                self._members[code] = buf = grown
+            buf[n:n + new.size] = new
+            self._mlen[code] = n + new.size
+
+    def distinct(self, rows: np.ndarray) -> np.ndarray:
+        """`rows` without repeats (the last of each), in O(len(rows)): no sort."""
+        idx = np.arange(rows.size)
+        self._scratch[rows] = idx
+        out: np.ndarray = rows[self._scratch[rows] == idx]
+        return out
+
+    def common(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """The rows of `b` that are also in `a`, in O(len(a) + len(b))."""
+        self._scratch[b] = -1
+        self._scratch[a] = -2
+        out: np.ndarray = b[self._scratch[b] == -2]
+        return out
+
+    def sample_tier(self, code: int, n: int, rng: np.random.Generator) -> np.ndarray:
+        """About `n` distinct rows placement believes are in hot or warm (`code`), drawn
+        uniformly, in O(n) (the member list is compacted when half of it has left)."""
+        m = self._mlen[code]
+        if m == 0 or n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        rows = self._members[code][rng.integers(0, m, size=2 * n)]
+        ok = self.tier[rows] == code
+        if 2 * int(np.count_nonzero(ok)) < ok.size:
+            self._compact(code)
+        return self.distinct(rows[ok])[:n]
+
+    def _compact(self, code: int) -> None:
+        buf, n = self._members[code], self._mlen[code]
+        rows = buf[:n]
+        keep = self.tier[rows] == code
+        self._member[code][rows[~keep]] = False
+        kept = rows[keep]
+        buf[:kept.size] = kept
+        self._mlen[code] = int(kept.size)
 
     def take_arrived(self, code: int) -> np.ndarray:
         """Distinct live rows that entered hot or warm (`code`) since the last call."""
@@ -406,7 +486,7 @@ class AccessStats:
         """Per row: reuse odds (its category and use count), and the mean and deviation of the
         log time to its next use (its own gaps when it has some, else its category's)."""
         c = self.cat[rows]
-        q = tables.odds[c, np.minimum(self.count[rows], CLASSES)]
+        q = tables.odds[c, np.minimum(self.count[rows] + self.base[rows], CLASSES)]
         own = self.gaps[rows] > 0
         mu = np.where(own, self.gap_mu[rows], tables.mu[c])
         s = np.where(own, np.sqrt(np.maximum(self.gap_var[rows], 0.04)), tables.sigma[c])
