@@ -11,6 +11,7 @@ import pytest
 
 from kvagentd.kvcache.placement.base import HOT, NONE, WARM
 from kvagentd.kvcache.placement.feed import Access, AccessFeed
+from kvagentd.kvcache.placement.reuse import reuse_model, reuse_tables
 from kvagentd.kvcache.placement.stats import AccessStats
 from kvagentd.kvcache.placement.summary import load_summary, save_summary
 
@@ -76,13 +77,13 @@ def test_reuse_odds_follow_the_category_and_use_count():
         st.record([ev([k("chat-sys"), k("conv", i)], f"chat-{i}", t)])
         st.record([ev([k("chat-sys"), k("conv", i)], f"chat-{i}", t + 30.0)])
         t += 1.0
-    tables = st.reuse_tables()
+    tables = reuse_tables(st)
     doc = st.rows_of([k("doc", 0)])
     st.count[doc] = 1  # as if used once
-    q_doc, _, _ = st.reuse_model(doc, tables)
+    q_doc, _, _ = reuse_model(st, doc, tables)
     conv = st.rows_of([k("conv", 0)])
     st.count[conv] = 1
-    q_conv, mu, s = st.reuse_model(conv, tables)
+    q_conv, mu, s = reuse_model(st, conv, tables)
     assert q_doc[0] < 0.05 and q_conv[0] > 0.9
     assert math.exp(float(mu[0])) == pytest.approx(30.0, rel=1e-3) and s[0] > 0
 

@@ -38,7 +38,8 @@ import numpy as np
 from ..base import BlockKey, Tier
 from .base import TIER_OF, Capacities, MoveBatch, Plan, Reason, Want
 from .heat import HeatMap
-from .stats import AccessStats, ReuseTables
+from .reuse import reuse_density, reuse_tables
+from .stats import AccessStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,39 +231,6 @@ def _promotions(view: RoundView, stats: AccessStats, p: PolicyParams, eligible: 
 # Scores
 # ------------------------------------------------------------------------------------------
 
-_Z = np.linspace(-9.0, 9.0, 3601)
-_PHI = 0.5 * np.array([math.erfc(-z / math.sqrt(2.0)) for z in _Z])
-
-
-def _norm_cdf(x: np.ndarray) -> np.ndarray:
-    """Standard normal CDF, interpolated on a 0.005 grid (|error| < 4e-6)."""
-    out: np.ndarray = np.interp(x, _Z, _PHI)
-    return out
-
-
-PRIOR_ODDS = 0.5  # reuse odds of a block placement has no record of a use of
-
-
-def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
-                  tables: ReuseTables | None = None) -> np.ndarray:
-    """Expected uses per second of slot held: P(used again) / E[time until then].
-
-    With odds q (category and use count) and a log-normal time to the next use (mean mu,
-    deviation s, from the block's own gaps or its category's), a block idle for `a` seconds is
-    used again with probability q S(a) / (1 - q + q S(a)), S the survival of that time, and
-    then after E[T | T > a] - a more seconds. A block long overdue scores near zero; a block
-    with no recorded use (loaded, never used since) scores with the prior odds."""
-    q, mu, s = stats.reuse_model(rows, tables if tables is not None else stats.reuse_tables())
-    q = np.where(stats.count[rows] > 0, q, PRIOR_ODDS)
-    a = np.maximum(now - stats.last_t[rows], 1e-3)
-    la = np.log(a)
-    surv = np.maximum(1.0 - _norm_cdf((la - mu) / s), 1e-12)
-    qs = q * surv
-    after = np.exp(np.minimum(mu + 0.5 * s * s, 50.0)) * _norm_cdf((mu + s * s - la) / s)
-    out: np.ndarray = qs / ((1.0 - q + qs) * np.maximum(after / surv - a, 1.0))
-    return out
-
-
 def _heat_of(heat: HeatMap | None, stats: AccessStats, rows: np.ndarray) -> np.ndarray:
     assert heat is not None, "heat policies keep a heat map"
     return heat.heat(rows, stats.tick).astype(np.float64)
@@ -297,7 +265,7 @@ class ReusePolicy(PlacementPolicy):
 
     def plan(self, view: RoundView, stats: AccessStats, heat: HeatMap | None) -> Plan:
         budget = _Budget(self.params.max_moves(view.caps))
-        tables = stats.reuse_tables()
+        tables = reuse_tables(stats)
         score = {t: reuse_density(stats, c.rows, view.now, tables)
                  for t, c in view.victims.items()}
         moves = _demotions(view, stats, self.params, score, Reason.REUSE, budget,

@@ -20,6 +20,7 @@ background (low-priority, bounded) queue so a foreground read is never delayed.
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -73,7 +74,7 @@ class Prefetcher:
     def __init__(self, *, lead_s: float = 1.0, interval_s: float = 1.0, alpha: float = 0.3,
                  coaccess_window_s: float = 10.0, coaccess_min_weight: float = 3.0,
                  coaccess_min_share: float = 0.5, max_cv: float = 0.5,
-                 coaccess_blocks: int = 32, neighbour_blocks: int = 8,
+                 coaccess_blocks: int = 32, neighbour_blocks: int = 8, coaccess_fanout: int = 8,
                  max_sessions: int = 4096, max_session_blocks: int = 1024,
                  max_urgent: int = 256) -> None:
         self.lead_s = lead_s
@@ -84,12 +85,16 @@ class Prefetcher:
         self.coaccess_min_share = coaccess_min_share
         self.max_cv = max_cv
         self.coaccess_blocks = coaccess_blocks
+        self.coaccess_fanout = coaccess_fanout
         self.neighbour_blocks = neighbour_blocks
         self.max_sessions = max_sessions
         self.max_session_blocks = max_session_blocks
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._recent: deque[tuple[float, str]] = deque(maxlen=64)
+        # (time its predicted next use enters the horizon, session, its last access): the
+        # sessions with a steady beat, so a round looks at those due, not at every session
+        self._due: list[tuple[float, str, float]] = []
         self._urgent: deque[UrgentPrefetch] = deque(maxlen=max_urgent)
         self.counts = {"predict": 0, "coaccess": 0, "neighbour": 0, "warmup": 0}
 
@@ -119,6 +124,9 @@ class Prefetcher:
                 s.episodes += 1
             s.accesses += 1
             s.last_t = now
+            if self._regular(s) and s.interval is not None:
+                heapq.heappush(self._due, (now + s.interval - self.lead_s - self.interval_s,
+                                           session, now))
             s.add_keys(keys, self.max_session_blocks)
             s.last_keys = tuple(keys)
             self._note_coaccess(session, s, now)
@@ -132,9 +140,11 @@ class Prefetcher:
                     self.counts["neighbour"] += 1
 
     def _note_coaccess(self, session: str, s: _Session, now: float) -> None:
+        """Pair `session` with the last `coaccess_fanout` other sessions used within the
+        co-access window (bounded work per access, however busy the box)."""
         seen: set[str] = {session}
         for t, other in reversed(self._recent):
-            if now - t > self.coaccess_window_s:
+            if now - t > self.coaccess_window_s or len(seen) > self.coaccess_fanout:
                 break
             if other in seen:
                 continue
@@ -176,29 +186,54 @@ class Prefetcher:
         return s.last_t + s.interval
 
     def next_due(self, now: float) -> float | None:
-        """Earliest time after `now` at which a predicted session enters its horizon."""
-        horizon = self.lead_s + self.interval_s
+        """When the next predicted session enters its horizon (at or before `now`: one is in
+        it already); None when no session has a steady beat."""
         with self._lock:
-            starts = (s.last_t + s.interval - horizon for s in self._sessions.values()
-                      if self._regular(s) and s.interval is not None)
-            return min((t for t in starts if t > now), default=None)
+            self._drop_stale()
+            return self._due[0][0] if self._due else None
+
+    def _drop_stale(self) -> None:
+        """Caller holds the lock: heap entries of sessions used since (or forgotten) go."""
+        due = self._due
+        while due and self._stale(due[0]):
+            heapq.heappop(due)
+        if len(due) > 4 * self.max_sessions:
+            self._due = [e for e in due if not self._stale(e)]
+            heapq.heapify(self._due)
+
+    def _stale(self, e: tuple[float, str, float]) -> bool:
+        s = self._sessions.get(e[1])
+        return s is None or s.last_t != e[2]
 
     def wants(self, now: float) -> dict[BlockKey, Want]:
-        """Blocks to raise this round: predicted sessions -> hot, co-access neighbours -> warm."""
+        """Blocks to raise this round: predicted sessions -> hot, co-access neighbours -> warm.
+
+        Looks only at the sessions due within the horizon (a heap) and those active within
+        the co-access window (the most recently used end of the session order)."""
         out: dict[BlockKey, Want] = {}
         horizon = self.lead_s + self.interval_s
         with self._lock:
-            active: list[_Session] = []
-            for s in self._sessions.values():
-                if now - s.last_t <= self.interval_s + self.coaccess_window_s:
-                    active.append(s)
-                if not self._regular(s) or s.interval is None:
+            self._drop_stale()
+            keep = []
+            while self._due and self._due[0][0] <= now:
+                e = heapq.heappop(self._due)
+                s = self._sessions.get(e[1])
+                if s is None or s.interval is None or s.last_t != e[2]:
                     continue
                 due = s.last_t + s.interval
-                # due within the horizon and not long overdue (a missed beat is not a pattern)
-                if now + horizon >= due >= now - s.interval:
+                if due < now - s.interval:
+                    continue  # long overdue: a missed beat is not a pattern
+                keep.append(e)
+                if now + horizon >= due:
                     out.update(dict.fromkeys(s.last_keys, _PREDICT))
                     self.counts["predict"] += 1
+            for e in keep:
+                heapq.heappush(self._due, e)
+            active: list[_Session] = []
+            for s in reversed(self._sessions.values()):
+                if now - s.last_t > self.interval_s + self.coaccess_window_s:
+                    break
+                active.append(s)
             for s in active:
                 for other, w in s.neighbours.items():
                     if w < self.coaccess_min_weight:

@@ -467,33 +467,3 @@ class AccessStats:
         rows = rng.integers(0, self.high, size=draws)
         rows = rows[self.tier[rows] == code]  # free rows have no tier
         return np.unique(rows[:n])
-
-    # ------------------------------------------------------------------ the reuse model
-    def reuse_tables(self) -> ReuseTables:
-        """Per category: reuse odds by use count, and the log-gap mean and deviation (a wide
-        prior where a category has none yet). Small arrays: computed once per round."""
-        odds = np.minimum((self.reused + 0.5) / (self.reached + 1.0), 0.995)
-        n = self.cat_n
-        seen = n > 1.5
-        safe = np.maximum(n, 1e-9)
-        mu = np.where(seen, self.cat_lg / safe, self.prior_mu)
-        var = np.where(seen, self.cat_lg2 / safe - mu * mu, self.prior_var)
-        return ReuseTables(odds, mu.astype(np.float32),
-                           np.sqrt(np.maximum(var, 0.04)).astype(np.float32))
-
-    def reuse_model(self, rows: np.ndarray, tables: ReuseTables
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per row: reuse odds (its category and use count), and the mean and deviation of the
-        log time to its next use (its own gaps when it has some, else its category's)."""
-        c = self.cat[rows]
-        q = tables.odds[c, np.minimum(self.count[rows] + self.base[rows], CLASSES)]
-        own = self.gaps[rows] > 0
-        mu = np.where(own, self.gap_mu[rows], tables.mu[c])
-        s = np.where(own, np.sqrt(np.maximum(self.gap_var[rows], 0.04)), tables.sigma[c])
-        return q, mu, s
-
-
-class ReuseTables(NamedTuple):
-    odds: np.ndarray  # (categories, CLASSES + 1): P(used again | use count); column 0 unused
-    mu: np.ndarray  # (categories,) mean log gap (seconds)
-    sigma: np.ndarray  # (categories,) deviation of the log gap
