@@ -81,7 +81,7 @@ def standard_cases(quick: bool, warm: float) -> list[tuple[str, Case]]:
     if not quick:
         for hot in (0.05, 0.10):
             out.append(("ablation", Case(iid, _caps(iid, hot, warm), _label(hot), bb)))
-    for hot in (0.02, 0.05):
+    for hot in (640.0, 960.0):  # 0.8x and 1.2x the ticking sessions' ~800 blocks
         out.append(("edge", Case(edge, _caps(edge, hot, warm), _label(hot), bb)))
     out.append(("seed", Case(seed, Capacities(400, 140), "hot 400 blocks", bb)))
     if not quick:

@@ -52,6 +52,8 @@ class Gatherer:
                 w = wants.get(r)
                 if w is not None and CODE_OF[w.tier] < code:
                     incoming[w.tier] += 1
+            # room is made for at most a batch of wishes a round: a prediction is a guess
+            incoming = {t: min(n, p.batch(caps.of(t))) for t, n in incoming.items()}
         short = {t: p.headroom(caps.of(t)) - free[t] + incoming[t] for t in POOL_TIERS}
         victims: dict[Tier, Candidates] = {}
         for t in POOL_TIERS:

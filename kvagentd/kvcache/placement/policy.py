@@ -45,7 +45,7 @@ from .stats import AccessStats
 @dataclass(frozen=True, slots=True)
 class PolicyParams:
     hot_factor: float = 1.8  # heat: promote at >= hot_factor x the mean heat looked at
-    warm_factor: float = 0.9  # heat: a hot victim below warm_factor x mean heat goes to cold
+    warm_factor: float = 0.9  # heat: a hot victim below warm_factor x warm's mean goes to cold
     hysteresis: float = 0.2  # heat: a rising block must be this much hotter than the mean
     window_fraction: float = 0.25  # demotions (and promotions) per round <= this share of hot
     headroom_fraction: float = 0.03  # free share of hot / warm kept for foreground requests
@@ -287,8 +287,11 @@ class HeatPolicy(PlacementPolicy):
         h = _heat_of(heat, stats, r.rows)
         seen = np.concatenate([h, *score.values()])
         mean = float(seen.mean()) if seen.size else 0.0
+        s_warm = score.get(Tier.WARM)
+        # below what warm keeps (warm_factor x the mean heat of warm's candidates): cold
+        bar = p.warm_factor * float(s_warm.mean()) if s_warm is not None and s_warm.size else None
         moves = _demotions(view, stats, p, score, Reason.HEAT, budget, direct_to_cold=False,
-                           cold_below=p.warm_factor * mean)
+                           cold_below=bar)
         hot_enough = (h >= p.hot_factor * mean * (1.0 + p.hysteresis)) & (h > 0)
         rows = r.rows.tolist()
         wanted = np.fromiter((x in view.wants for x in rows), bool, len(rows))
