@@ -42,7 +42,8 @@ from kvagentd.agent.diagnosis.diagnoser import Diagnoser, SpeedRefused
 from kvagentd.agent.events import EventLog
 from kvagentd.agent.model_client import Executor, ModelClient
 from kvagentd.agent.reports import ReportWriter
-from kvagentd.agent.sensors import BadData, make_source, validate
+from kvagentd.agent.sensors import BadData, validate
+from kvagentd.agent.sources import make_source
 from kvagentd.agent.state import AssetState
 from kvagentd.agent.view import AssetView, asset_view
 from kvagentd.agent.windows import WindowStore

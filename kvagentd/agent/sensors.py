@@ -197,17 +197,3 @@ class MqttSource(SensorSource):
         if now - received > self.stale_after_s:
             raise BadData("stale", f"last message {now - received:.1f} s ago")
         return window
-
-
-def make_source(asset: AssetConfig, *, start_time: float, stale_after_s: float,
-                clock=time.time, mqtt: MqttConfig | None = None) -> SensorSource:
-    # NOTE: imported here: both sources build on this module's SensorSource.
-    if asset.source == "simulated":
-        from kvagentd.agent.simulator import SimulatedSource
-
-        return SimulatedSource(asset, start_time)
-    if asset.source == "replay":
-        from kvagentd.agent.replay import ReplaySource
-
-        return ReplaySource(asset)
-    return MqttSource(asset, stale_after_s=stale_after_s, clock=clock, mqtt=mqtt)
