@@ -226,7 +226,11 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = ()) -> int:
+    """`argv=None`: the command line; the default `()` (as `python -m bench` calls it): the
+    standard run, or the smoke run when `KVAGENTD_BENCH_QUICK=1`."""
+    if argv == () and os.environ.get("KVAGENTD_BENCH_QUICK") == "1":
+        argv = ["--quick"]
     ap = argparse.ArgumentParser(prog="python -m bench.placement", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run (shorter traces)")
@@ -336,5 +340,5 @@ def _goals(groups: dict[str, list[dict[str, object]]], policies: list[str]) -> l
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    sys.exit(main(None))
 
