@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ import structlog
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 
 from kvagentd.agent import grounding, jobs, prompts
+from kvagentd.agent.beat import aligned_start
 from kvagentd.agent.diagnosis.diagnoser import Diagnoser, SpeedRefused
 from kvagentd.agent.events import EventLog
 from kvagentd.agent.model_client import Executor, ModelClient
@@ -167,9 +169,11 @@ class Agent:
 
     def _schedule(self, config: AgentConfig) -> None:
         trigger = jobs.weekly_trigger(config.weekly_report_cron)
+        beat_start = aligned_start(config.tick_interval_s)
         for name in self.assets:
             self.scheduler.add_job(
                 self._tick_job, "interval", seconds=config.tick_interval_s, args=(name,),
+                start_date=beat_start,  # every asset's tick fires in the same beat
                 id=jobs.tick_job_id(name), name=f"tick {name}", max_instances=1, coalesce=True,
                 misfire_grace_time=max(1, int(config.tick_interval_s)), replace_existing=True)
             self.scheduler.add_job(
@@ -203,16 +207,20 @@ class Agent:
 
     def _tick_job(self, asset: str) -> None:
         st = self.assets[asset]
-        with st.lock:
+        with st.lock, self._in_beat():
             if not st.closed:
                 self._tick(st)
+
+    def _in_beat(self) -> AbstractContextManager[None]:
+        """A tick's turn goes to the model with the others of its beat (`beat.py`)."""
+        return self.model.beat.ticking() if self.model is not None else nullcontext()
 
     # -------------------------------------------------------------------------------- the tick
 
     def tick_once(self, asset: str) -> dict[str, Any]:
         """Run one tick for `asset` now; returns its event row."""
         st = self.assets[asset]
-        with st.lock:
+        with st.lock, self._in_beat():
             if st.closed:
                 raise RuntimeError("the agent is stopped")
             return self._tick(st)
@@ -261,7 +269,7 @@ class Agent:
         self.windows.offer(a.name, eid, now, window, diagnosis.anomaly)
         commentary, withheld = None, False
         if turn is not None:
-            commentary, withheld, why = self._comment(st, d, *turn)
+            commentary, withheld, why = self._comment(st, d, *turn, started=t0)
             if why:
                 note = f"{note}; {why}" if note else why
         latency = time.perf_counter() - t0
@@ -271,10 +279,10 @@ class Agent:
         return self.events.get(eid) or {}
 
     def _comment(self, st: AssetState, d: dict[str, Any], session: str, text: str,
-                 system: str | None) -> tuple[str | None, bool, str | None]:
+                 system: str | None, *, started: float) -> tuple[str | None, bool, str | None]:
         """The model's commentary on this tick: (text shown, withheld?, note)."""
         assert self.model is not None
-        done = self.model.submit_tick(session, text, system)
+        done = self.model.submit_tick(session, text, system, started=started)
         st.account(done, self.clock())
         if done.error is not None:
             return None, False, done.error

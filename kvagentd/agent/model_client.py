@@ -2,9 +2,11 @@
 
 Everything the agent and its report writer ask of the model goes through `ModelClient`:
 - `submit_tick(session, text, system)`: THE place where one sensor tick's turn is submitted
-  (TICK priority, `agent.assessment_max_tokens`, a deadline of ten tick intervals) and waited
-  for. Expected failures (queue full, timeout, a failed generation) come back as a
-  `Completion` with `error` set; nothing raises into the tick job.
+  (TICK priority, `agent.assessment_max_tokens`, a deadline at the end of the tick's interval:
+  a turn the engine cannot finish within it ends there) and waited for. The turns of one beat go to the
+  engine together (`beat.py`), so they share model steps. Expected failures (queue full,
+  timeout, a failed generation) come back as a `Completion` with `error` set; nothing raises
+  into the tick job.
 - `generate(session, text, system, priority)`: a longer text at REPORT (or ASK) priority,
   waited for without a timeout (the executor's deadline ends it); failures raise (the report
   writer records them in the report).
@@ -14,16 +16,21 @@ Everything the agent and its report writer ask of the model goes through `ModelC
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import structlog
 
+from kvagentd.agent.beat import Beat
 from kvagentd.config import AgentConfig
 from kvagentd.engine.executor import GenerationRequest, Priority, QueueFull
 from kvagentd.engine.sequence import GenerationResult
 
 log = structlog.get_logger(__name__)
+
+TICK_MARGIN = 0.1  # share of the tick interval left for the step that crosses the deadline
 
 
 class GenerationJob(Protocol):
@@ -43,6 +50,11 @@ class Executor(Protocol):
 
     def submit(self, request: GenerationRequest) -> GenerationJob:
         """Queue `request`; raises QueueFull when the bounded queue is full."""
+        ...
+
+    def submit_all(self, requests: Sequence[GenerationRequest]
+                   ) -> Sequence[GenerationJob | QueueFull]:
+        """Queue every request at once (one beat); per request its job or its QueueFull."""
         ...
 
 
@@ -65,18 +77,24 @@ class ModelClient:
     def __init__(self, executor: Executor, config: AgentConfig) -> None:
         self.executor = executor
         self.config = config
+        self.beat = Beat(executor)
 
     def reload(self, config: AgentConfig) -> None:
         self.config = config
 
-    def submit_tick(self, session: str, text: str, system: str | None) -> Completion:
-        """Submit one tick's turn at TICK priority and wait for it (see module docstring)."""
+    def submit_tick(self, session: str, text: str, system: str | None, *,
+                    started: float | None = None) -> Completion:
+        """Submit one tick's turn at TICK priority and wait for it (see module docstring).
+        `started` (`time.perf_counter()` when the tick began) puts the deadline at the end of
+        the tick's interval, less `TICK_MARGIN` of it for the engine step that crosses it."""
         cfg = self.config
+        elapsed = 0.0 if started is None else time.perf_counter() - started
+        deadline = max(0.05, cfg.tick_interval_s * (1.0 - TICK_MARGIN) - elapsed)
         req = GenerationRequest(session=session, text=text, system=system,
                                 max_new_tokens=cfg.assessment_max_tokens, priority=Priority.TICK,
-                                deadline_s=max(10.0, 10.0 * cfg.tick_interval_s))
+                                deadline_s=deadline)
         try:
-            job = self.executor.submit(req)
+            job = cast(GenerationJob, self.beat.submit(req))
         except QueueFull:
             return Completion(None, error="llm: queue full")
         try:

@@ -19,7 +19,7 @@ import itertools
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import structlog
@@ -116,22 +116,38 @@ class Executor:
     # -- API --------------------------------------------------------------------------------
 
     def submit(self, req: GenerationRequest) -> Job:
+        """Queue `req`; raises `QueueFull` when the bounded queue is full or stopping."""
+        out = self.submit_all([req])[0]
+        if isinstance(out, QueueFull):
+            raise out
+        return out
+
+    def submit_all(self, reqs: Iterable[GenerationRequest]) -> list[Job | QueueFull]:
+        """Queue every request at once, so that they join the same model step (a beat of
+        ticks). Each entry is its `Job`, or the `QueueFull` that refused it."""
+        out: list[Job | QueueFull] = []
         with self._cond:
-            if self._stopping:
-                raise QueueFull("executor is stopping")
             queued = self._queued_count()
-            if queued >= self.config.queue_size:
-                self.rejected += 1
-                if self.metrics is not None:
-                    self.metrics.rejected.inc()
-                raise QueueFull(f"{queued} requests queued (executor.queue_size = "
-                                f"{self.config.queue_size}); try again later")
-            job = Job(next(self._ids), self._bounded(req), self._deadline(req), self.step_count)
-            self._queued.append(job)
+            for req in reqs:
+                if self._stopping:
+                    out.append(QueueFull("executor is stopping"))
+                    continue
+                if queued >= self.config.queue_size:
+                    self.rejected += 1
+                    if self.metrics is not None:
+                        self.metrics.rejected.inc()
+                    out.append(QueueFull(f"{queued} requests queued (executor.queue_size = "
+                                         f"{self.config.queue_size}); try again later"))
+                    continue
+                job = Job(next(self._ids), self._bounded(req), self._deadline(req),
+                          self.step_count)
+                self._queued.append(job)
+                queued += 1
+                out.append(job)
             self._cond.notify_all()
         if self.metrics is not None:
-            self.metrics.queue_depth.set(queued + 1)
-        return job
+            self.metrics.queue_depth.set(queued)
+        return out
 
     def session_busy(self, session: str) -> bool:
         with self._cond:

@@ -37,6 +37,7 @@ class FakeExecutor:
         self.full = False
         self.answer = "Condition normal, no action needed."
         self.lock = threading.Lock()
+        self.beats: list[int] = []  # sizes of the submit_all calls
 
     def submit(self, req: GenerationRequest) -> FakeJob:
         if self.full:
@@ -55,6 +56,16 @@ class FakeExecutor:
             self.sessions[req.session] = prompt + new
         return FakeJob(GenerationResult(req.session, answer, new_tokens=new, prompt_tokens=prompt,
                                         reused_tokens=prior, recomputed_tokens=prompt - prior))
+
+    def submit_all(self, reqs: list[GenerationRequest]) -> list[FakeJob | QueueFull]:
+        self.beats.append(len(reqs))
+        out: list[FakeJob | QueueFull] = []
+        for req in reqs:
+            try:
+                out.append(self.submit(req))
+            except QueueFull as exc:
+                out.append(exc)
+        return out
 
 
 @pytest.fixture

@@ -158,6 +158,9 @@ def test_scheduler_skips_are_counted_not_piled_up(tmp_path, fake_executor, sched
             req_holder[:] = [req]
             return SlowJob()
 
+        def submit_all(self, reqs):
+            return [self.submit(r) for r in reqs]
+
     ag = Agent(agent_config(tick_interval_s=0.1), SlowExecutor(), scheduler, tmp_path)
     ag.start()
     scheduler.resume()

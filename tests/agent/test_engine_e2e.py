@@ -130,3 +130,30 @@ def test_weekly_report_on_the_engine(stack, scheduler):
     assert doc["state"] == "done", doc.get("error")
     assert doc["generation"]["new_tokens"] >= 1 and len(doc["files"]) == 3
     assert engine.sessions.exists(doc["generation"]["session"])
+
+
+def test_one_beat_of_assets_shares_model_steps(stack, scheduler):
+    """Three assets ticking in the same beat reach the engine together: their turns run in the
+    same batched steps."""
+    import threading
+
+    engine, store, d = stack
+    names = [f"beat-{i}" for i in range(3)]
+    ag = Agent(agent_config(assets=tuple(AssetConfig(name=n, seed=i + 1)
+                                         for i, n in enumerate(names)),
+                            assessment_max_tokens=8, tick_interval_s=30.0),
+               engine.executor, scheduler, d / "beat", store_stats=store.stats)
+    sizes: list[int] = []
+    engine.executor.on_step = lambda size, tokens, s: sizes.append(size)
+    try:
+        threads = [threading.Thread(target=ag._tick_job, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        engine.executor.on_step = None
+    assert ag.model is not None and ag.model.beat.last_size == 3
+    assert max(sizes) == 3  # every step of the beat ran the three sequences together
+    for n in names:
+        assert ag.assets[n].last_result is not None and ag.assets[n].llm_errors == 0

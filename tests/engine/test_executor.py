@@ -181,3 +181,18 @@ def test_stop_ends_started_jobs_and_fails_queued_ones(tiny: LoadedModel, tmp_pat
             queued.result(5)
         with pytest.raises(QueueFull, match="stopping"):
             eng.submit(GenerationRequest("c", "x"))
+
+
+def test_submit_all_joins_one_step_and_refuses_past_the_queue(tiny: LoadedModel,
+                                                              tmp_path: Path) -> None:
+    for eng in _engine(tiny, tmp_path, queue_size=3):
+        sizes: list[int] = []
+        eng.executor.on_step = lambda size, tokens, s: sizes.append(size)
+        out = eng.executor.submit_all([GenerationRequest(f"t{i}", "rms 1.2", "s", 4,
+                                                         Priority.TICK) for i in range(4)])
+        assert [type(o).__name__ for o in out] == ["Job", "Job", "Job", "QueueFull"]
+        for job in out[:3]:
+            assert not isinstance(job, QueueFull)
+            job.result(60)
+        assert sizes[0] == 3  # the three joined the first step together
+        assert eng.executor.status()["rejected"] == 1
