@@ -29,7 +29,7 @@ from kvagentd.config import ExecutorConfig
 from kvagentd.engine.blocks import BlockManager, Layout
 from kvagentd.engine.executor import Executor, GenerationRequest, Job, Priority
 from kvagentd.engine.metrics import EngineMetrics
-from kvagentd.engine.model import LoadedModel
+from kvagentd.engine.model import LoadedModel, cpu_native_bf16
 from kvagentd.engine.runner import ModelRunner
 from kvagentd.engine.sequence import GenerationResult
 from kvagentd.engine.sessions import ChatFormat, Session, SessionGuard, SessionStore
@@ -200,6 +200,7 @@ class Engine:
         return {
             "model": self.loaded.name, "fingerprint": self.loaded.fingerprint[:16],
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "cpu_native_bf16": cpu_native_bf16(),
             "device": str(self.loaded.device), "load_s": round(self.loaded.load_s, 2),
             "block_tokens": g.block_tokens, "sessions": self.table.count(),
             "workspace_bytes": mem["working_copy_bytes"] + mem["idle_buffer_bytes"],

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvagentd.engine.cache import new_cache
+from kvagentd.engine.cache import HotPoolCache, new_cache
 from kvagentd.engine.kv import SequenceKV
 from kvagentd.engine.model import LoadedModel, model_geometry
 from kvagentd.engine.paged import PagedKV, PagedScratch
@@ -149,3 +149,35 @@ def test_a_model_that_bypasses_the_attention_interface_is_refused(tiny: LoadedMo
     sp = _specs()[:1]
     with pytest.raises(RuntimeError, match="attention interface"):
         runner.forward([(_kvs(tiny, "contiguous", sp)[0], sp[0].prompt[:4], True)])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_steady_decode_reuses_every_buffer(tiny: LoadedModel, layout: str) -> None:
+    """Once the step buffers have grown to the batch, decode steps allocate none of the
+    engine's buffers: ids, positions, logit rows, attention output and each sequence's KV
+    storage keep their memory."""
+    runner = ModelRunner(tiny.model, device="cpu", max_step_tokens=64)
+    specs = _specs()[:3]
+    kvs = _kvs(tiny, layout, specs)
+    for s, kv in zip(specs, kvs):  # prefill, then one decode step of all three
+        runner.forward([(kv, s.prompt, True)])
+    runner.forward([(kv, [1], True) for kv in kvs])
+    b = runner.batch
+
+    def buffers() -> list[int]:
+        ptrs = [b._ids_host.data_ptr(), b._pos_host.data_ptr(), b._rows_host.data_ptr()]
+        assert b._out is not None
+        ptrs.append(b._out.data_ptr())
+        for kv in kvs:
+            if isinstance(kv, PagedKV):
+                ptrs += [kv.arena.data_ptr(), *(t.data_ptr() for t in kv.scratch.buffers(1))]
+            else:
+                assert isinstance(kv, HotPoolCache)
+                ptrs.append(kv.work.data_ptr())
+        return ptrs
+
+    before, nbytes = buffers(), runner.nbytes()
+    for step in range(8):
+        runner.forward([(kv, [2 + step], True) for kv in kvs])
+        assert buffers() == before
+    assert runner.nbytes() == nbytes

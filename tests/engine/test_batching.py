@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvagentd.config import ExecutorConfig
-from kvagentd.engine.executor import GenerationRequest, Job, Priority
+from kvagentd.engine.executor import GenerationRequest, HotPoolFull, Job, Priority
 from kvagentd.engine.model import LoadedModel
 from kvagentd.engine.sequence import GenerationResult
 from kvagentd.engine.service import Engine
@@ -235,5 +235,30 @@ def test_an_ask_gets_through_a_saturated_tick_load(tiny: LoadedModel, tmp_path: 
         th.join()
         for t in ticks:
             t.result(120)
+        eng.stop()
+        store.close()  # type: ignore[attr-defined]
+
+
+def test_batch_memory_budget_bounds_the_batch(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Working copies are counted against executor.batch_memory_bytes: with room for one,
+    sequences run one after another; one that cannot fit even alone fails clearly."""
+    probe, store0 = _start(tiny, tmp_path / "probe")
+    one = probe.blocks.workspaces.bytes_for(256)  # a working copy for <= 256 tokens
+    probe.stop()
+    store0.close()  # type: ignore[attr-defined]
+    eng, store = _start(tiny, tmp_path / "run", batch_memory_bytes=one + one // 2)
+    sizes: list[int] = []
+    eng.executor.on_step = lambda size, tokens, s: sizes.append(size)
+    try:
+        jobs = [eng.submit(GenerationRequest(f"m{i}", QUESTIONS[i], SYSTEM, N))
+                for i in range(3)]
+        assert all(j.result(120).new_tokens > 0 for j in jobs)
+        assert max(sizes) == 1  # never two working copies at once
+        mem = eng.executor.status()["memory"]
+        assert mem["budget_bytes"] == one + one // 2 and mem["working_copy_bytes"] == 0
+        big = eng.submit(GenerationRequest("big", "x", SYSTEM, 400))  # > 256 tokens
+        with pytest.raises(HotPoolFull, match="batch_memory_bytes"):
+            big.result(60)
+    finally:
         eng.stop()
         store.close()  # type: ignore[attr-defined]

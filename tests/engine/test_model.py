@@ -43,6 +43,16 @@ def test_dtype_auto() -> None:
     assert resolve_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
 
 
+def test_native_bf16_is_read_from_the_cpu_flags() -> None:
+    from kvagentd.engine.model import cpu_native_bf16
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
+    assert cpu_native_bf16(avx2) is False
+    assert cpu_native_bf16(avx2.replace("fma", "fma avx512f avx512_bf16")) is True
+    assert cpu_native_bf16(avx2.replace("fma", "amx_tile amx_bf16")) is True
+    assert cpu_native_bf16("no flags line") is False
+
+
 def test_conversion_runs_once_under_concurrency(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     gguf = tmp_path / "m.gguf"

@@ -1,0 +1,322 @@
+"""Workloads of `bench.batch`: each builds a fresh store and engine over one loaded model, runs,
+and returns a JSON-ready dict. Kept apart from the table and goal code in `batch.py`."""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvagentd.config import AgentConfig, AssetConfig, ExecutorConfig, FaultConfig
+from kvagentd.engine.executor import GenerationRequest, Job, Priority
+from kvagentd.engine.model import LoadedModel, model_geometry
+from kvagentd.engine.service import Engine
+from kvagentd.engine.sessions import Session
+from kvagentd.kvcache.base import ColdListener
+from kvagentd.kvcache.cold.store import ColdStore
+from kvagentd.kvcache.keys import make_namespace
+from kvagentd.kvcache.store import TieredKVStore
+
+BLOCK_TOKENS = 16
+QUESTION = "Assess: rms 2.31 mm/s, crest 3.4, zone B."
+SYSTEM = "You watch the vibration of industrial pumps. Answer in one short sentence."
+
+
+def history_ids(tok: Any, n: int, seed: int) -> list[int]:
+    """n token ids of a plausible agent history, different per `seed`."""
+    lines, i = [], seed * 7
+    while True:
+        rms = 1.2 + (i % 37) * 0.05
+        lines.append(f"<|im_start|>user\nasset {seed} tick {i}: rms {rms:.2f} mm/s, crest "
+                     f"{3.1 + (i % 7) * 0.1:.1f}, zone {'A' if rms < 1.4 else 'B'}<|im_end|>\n"
+                     f"<|im_start|>assistant\nVibration {'normal' if rms < 2.3 else 'elevated'};"
+                     f" no action.<|im_end|>\n")
+        i += 1
+        if i % 16 == 0:
+            ids = tok("".join(lines), add_special_tokens=False)["input_ids"]
+            if len(ids) >= n:
+                return list(ids[:n])
+
+
+@contextmanager
+def engine_for(lm: LoadedModel, root: Path, *, hot_tokens: int, **cfg: Any
+               ) -> Iterator[tuple[Engine, TieredKVStore]]:
+    """A fresh store (hot = `hot_tokens`, warm = hot, cold under a temporary directory) and a
+    started engine with `ExecutorConfig(**cfg)`; both closed on exit."""
+    d = Path(tempfile.mkdtemp(prefix="batch-", dir=root))
+    geo = model_geometry(lm.model, BLOCK_TOKENS, lm.dtype)
+    ns = make_namespace(lm.fingerprint, lm.dtype, BLOCK_TOKENS)
+    hot = (hot_tokens // BLOCK_TOKENS + 64) * geo.block_bytes
+
+    def cold(listener: ColdListener) -> ColdStore:
+        return ColdStore(d / "cold", geo, ns, codec="raw", capacity_bytes=max(8 * hot, 1 << 30),
+                         segment_bytes=64 << 20, io_unit_bytes=128 << 10, o_direct=False,
+                         listener=listener)
+
+    store = TieredKVStore(geo, ns, hot_bytes=hot, warm_bytes=hot, cold=cold)
+    engine = Engine(lm, store, state_dir=d / "state", executor_config=ExecutorConfig(**cfg))
+    engine.start()
+    try:
+        yield engine, store
+    finally:
+        engine.stop()
+        store.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class StepLog:
+    """Per-step figures (batch size, tokens, seconds) and the memory held beyond the hot pool."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.steps: list[tuple[int, int, float]] = []
+        self.peak_beyond_hot = 0
+        self.per_sequence: list[float] = []
+        self._engine = engine
+        engine.executor.on_step = self._on_step
+
+    def _on_step(self, size: int, tokens: int, seconds: float) -> None:
+        self.steps.append((size, tokens, seconds))
+        mem = self._engine.blocks.status()
+        held = mem["working_copy_bytes"] + mem["paged_scratch_bytes"]
+        self.peak_beyond_hot = max(self.peak_beyond_hot, held + self._engine.runner.nbytes())
+        self.per_sequence.append(held / size)
+
+    def figures(self) -> dict[str, Any]:
+        dec = [(s, d) for s, t, d in self.steps if t == s]
+        return {"steps": len(self.steps),
+                "mean_batch": statistics.fmean(s for s, _, _ in self.steps) if self.steps else 0,
+                "decode_tok_s": sum(s for s, _ in dec) / sum(d for _, d in dec) if dec else 0.0,
+                "decode_step_ms_p50": 1e3 * statistics.median(d for _, d in dec) if dec else 0.0,
+                "peak_beyond_hot_bytes": self.peak_beyond_hot,
+                "beyond_hot_bytes_per_sequence": max(self.per_sequence, default=0.0)}
+
+
+def run_jobs(submit: Callable[[], list[Job]]) -> tuple[list[Any], float]:
+    t0 = time.perf_counter()
+    jobs = submit()
+    results = [j.result() for j in jobs]
+    return results, time.perf_counter() - t0
+
+
+def sessions(lm: LoadedModel, root: Path, n: int, hist: tuple[int, int], new: int,
+             max_batch: int) -> dict[str, Any]:
+    """n sessions with stored histories of `hist[0]`..`hist[1]` tokens ask one turn at once."""
+    lo, hi = hist
+    lengths = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+    with engine_for(lm, root, hot_tokens=sum(lengths) + n * (new + 96),
+                    max_batch=max_batch) as (eng, _):
+        for i, length in enumerate(lengths):  # setup: store every history's blocks (not timed)
+            eng.table.save(Session(f"s{i}", history_ids(lm.tokenizer, length, i)))
+            eng.ask(f"s{i}", None, max_new_tokens=1)
+        log = StepLog(eng)
+        res, wall = run_jobs(lambda: [eng.submit(GenerationRequest(
+            f"s{i}", QUESTION, None, new, Priority.TICK)) for i in range(n)])
+    gen = sum(r.new_tokens for r in res)
+    return {"sessions": n, "history": lengths, "max_batch": max_batch, "generated": gen,
+            "wall_s": wall, "tok_s": gen / wall, "texts": [r.text for r in res],
+            "ttft_p50_s": statistics.median(r.ttft_s for r in res), **log.figures()}
+
+
+def chat_prompts(tok: Any, n: int, length: int) -> list[list[int]]:
+    """n distinct chat prompts of about `length` tokens (no shared prefix beyond the template)."""
+    out = []
+    for i in range(n):
+        body = tok.decode(history_ids(tok, length - 24, 100 + i))
+        text = tok.apply_chat_template([{"role": "user", "content": body}], tokenize=False,
+                                       add_generation_prompt=True)
+        out.append(list(tok(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def fresh_engine(lm: LoadedModel, root: Path, prompts: list[list[int]], new: int,
+                 max_batch: int) -> dict[str, Any]:
+    """The prompts as new sessions, nothing stored: every prompt token is prefilled."""
+    total = sum(len(p) + new for p in prompts)
+    with engine_for(lm, root, hot_tokens=total, max_batch=max_batch) as (eng, _):
+        for i, p in enumerate(prompts):
+            eng.table.save(Session(f"p{i}", p))
+        log = StepLog(eng)
+        res, wall = run_jobs(lambda: [eng.submit(GenerationRequest(
+            f"p{i}", None, None, new, Priority.TICK)) for i in range(len(prompts))])
+    gen = sum(r.new_tokens for r in res)
+    return {"generated": gen, "wall_s": wall, "tok_s": gen / wall, **log.figures()}
+
+
+def hf_generate(lm: LoadedModel, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    """transformers' `generate` over one left-padded batch (sdpa, DynamicCache)."""
+    import torch
+
+    model, tok = lm.model, lm.tokenizer
+    model.set_attn_implementation("sdpa")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                             do_sample=False, pad_token_id=pad)
+    wall = time.perf_counter() - t0
+    gen = 0
+    for row in out[:, width:].tolist():
+        gen += next((k + 1 for k, t in enumerate(row) if t == tok.eos_token_id), len(row))
+    return {"generated": gen, "wall_s": wall, "tok_s": gen / wall}
+
+
+def hf_generate_batch(lm: LoadedModel, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    """transformers' continuous batching (`generate_batch`, paged cache), sized to the load."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model, tok = lm.model, lm.tokenizer
+    model.set_attn_implementation("sdpa")
+    page = 64
+    blocks = sum(-(-(len(p) + new) // page) for p in prompts) + 4
+    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id or 0)
+    cb = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=256, page_size=page)
+    t0 = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=cfg,
+                               continuous_batching_config=cb, warmup=False)
+    wall = time.perf_counter() - t0
+    gen = sum(len(o.generated_tokens) for o in out.values())
+    return {"generated": gen, "wall_s": wall, "tok_s": gen / wall}
+
+
+def agent_config(n: int, **kw: Any) -> AgentConfig:
+    assets = tuple(AssetConfig(name=f"pump-{i}", seed=i + 1, fault=FaultConfig(
+        kind="outer_race" if i % 2 else "none", onset_s=60.0)) for i in range(n))
+    return AgentConfig(tick_interval_s=3.0, assessment_max_tokens=24, session_token_budget=1536,
+                       report_max_tokens=kw.pop("report_tokens", 96), assets=assets, **kw)
+
+
+@contextmanager
+def agent_for(lm: LoadedModel, root: Path, n: int, max_batch: int, **agent_kw: Any
+              ) -> Iterator[tuple[Any, Engine, TieredKVStore]]:
+    """An engine with `max_batch` and the real agent ticking `n` simulated assets every 3 s
+    (the product's APScheduler jobs: max_instances=1, coalesce; skips are counted)."""
+    from apscheduler.executors.pool import ThreadPoolExecutor
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from kvagentd.agent.agent import Agent
+
+    with engine_for(lm, root, hot_tokens=n * 2048 + 4096, max_batch=max_batch,
+                    queue_size=max(32, 4 * n)) as (eng, store):
+        sched = BackgroundScheduler(timezone="UTC",
+                                    executors={"default": ThreadPoolExecutor(max(10, n + 4))})
+        sched.start()
+        d = Path(tempfile.mkdtemp(prefix="agent-", dir=root))
+        agent = Agent(agent_config(n, **agent_kw), eng.executor, sched, d,
+                      store_stats=store.stats)
+        agent.start()
+        try:
+            yield agent, eng, store
+        finally:
+            sched.pause()
+            agent.stop()
+            sched.shutdown(wait=False)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def assets(lm: LoadedModel, root: Path, n: int, seconds: float, max_batch: int
+           ) -> dict[str, Any]:
+    """n assets ticking for `seconds`: tick latency (pooled), skipped and missed ticks."""
+    with agent_for(lm, root, n, max_batch) as (agent, eng, _):
+        log = StepLog(eng)
+        time.sleep(seconds)
+        states = list(agent.assets.values())
+        lat = np.asarray([x for st in states for x in st.latencies], dtype=float)
+        skipped = sum(st.skipped + st.missed for st in states)
+        errors = sum(st.llm_errors for st in states)
+        cut = eng.metrics.registry.get_sample_value(
+            "kvagentd_engine_requests_total", {"priority": "tick", "outcome": "deadline"}) or 0
+        figures = log.figures()
+    return {"assets": n, "max_batch": max_batch, "seconds": seconds, "ticks": int(lat.size),
+            "expected_ticks": int(n * seconds / 3.0), "skipped": skipped, "llm_errors": errors,
+            "cut_at_deadline": int(cut),
+            "p50_s": float(np.percentile(lat, 50)) if lat.size else None,
+            "p99_s": float(np.percentile(lat, 99)) if lat.size else None,
+            "ok": bool(lat.size) and float(np.percentile(lat, 99)) < 3.0 and skipped == 0
+            and errors == 0 and cut == 0, **figures}
+
+
+def fairness(lm: LoadedModel, root: Path, n: int, warmup_s: float, max_batch: int,
+             report_tokens: int) -> dict[str, Any]:
+    """With n assets ticking, an operator question's time to first token and a weekly
+    report's completion time."""
+    with agent_for(lm, root, n, max_batch, report_tokens=report_tokens) as (agent, eng, _):
+        time.sleep(warmup_s)
+        busy = eng.executor.status()["batch"]
+        t0 = time.perf_counter()
+        rid = agent.reports.start("weekly", asset="pump-0")
+        t1 = time.perf_counter()
+        ask = eng.submit(GenerationRequest("operator", "What needs attention first?", SYSTEM,
+                                           64, Priority.ASK))
+        first = threading.Event()
+        ttft: list[float] = []
+
+        def watch() -> None:
+            for _ in ask.stream():
+                if not first.is_set():
+                    ttft.append(time.perf_counter() - t1)
+                    first.set()
+
+        th = threading.Thread(target=watch)
+        th.start()
+        res = ask.result()
+        th.join()
+        doc = agent.reports.wait_for(rid, timeout=3600)
+        report_s = time.perf_counter() - t0
+        skipped = sum(st.skipped + st.missed for st in agent.assets.values())
+    return {"assets": n, "ask_ttft_s": ttft[0] if ttft else None, "ask_tokens": res.new_tokens,
+            "report_s": report_s, "report_state": (doc or {}).get("state"),
+            "skipped_ticks": skipped, "batch_before": busy}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def record_ticks(lm: LoadedModel, root: Path, n: int, seconds: float
+                 ) -> list[tuple[list[int], GenerationRequest]]:
+    """The agent's tick requests over `seconds` with n assets, each with its session's ids at
+    submit time (a session's ticks run one after the other, so those ids are final)."""
+    recorded: list[tuple[list[int], GenerationRequest]] = []
+    with agent_for(lm, root, n, 16) as (_, eng, _store):
+        submit = eng.executor.submit
+
+        def recording(req: GenerationRequest) -> Job:
+            s = eng.table.get(req.session)
+            recorded.append((list(s.token_ids) if s else [], req))
+            return submit(req)
+
+        eng.executor.submit = recording  # type: ignore[method-assign]
+        time.sleep(seconds)
+    return recorded
+
+
+def replay_ticks(lm: LoadedModel, root: Path, ticks: list[tuple[list[int], GenerationRequest]]
+                 ) -> dict[str, Any]:
+    """Each recorded tick as its own request (its session's ids, then its turn), batched."""
+    total = sum(len(ids) + 128 for ids, _ in ticks)
+    with engine_for(lm, root, hot_tokens=total) as (eng, _):
+        for k, (ids, _) in enumerate(ticks):
+            if ids:
+                eng.table.save(Session(f"r{k}", ids))
+        res, wall = run_jobs(lambda: [eng.submit(GenerationRequest(
+            f"r{k}", r.text, r.system, r.max_new_tokens, Priority.TICK))
+            for k, (_, r) in enumerate(ticks)])
+    return {"texts": [r.text for r in res], "wall_s": wall,
+            "generated": sum(r.new_tokens for r in res)}
