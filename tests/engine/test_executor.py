@@ -185,8 +185,8 @@ def test_stop_ends_started_jobs_and_fails_queued_ones(tiny: LoadedModel, tmp_pat
 
 def test_submit_all_joins_one_step_and_refuses_past_the_queue(tiny: LoadedModel,
                                                               tmp_path: Path) -> None:
+    sizes: list[int] = []
     for eng in _engine(tiny, tmp_path, queue_size=3):
-        sizes: list[int] = []
         eng.executor.on_step = lambda size, tokens, s: sizes.append(size)
         out = eng.executor.submit_all([GenerationRequest(f"t{i}", "rms 1.2", "s", 4,
                                                          Priority.TICK) for i in range(4)])
