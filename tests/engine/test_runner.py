@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvagentd.engine.executor import HotPoolFull
+from kvagentd.config import ExecutorConfig
 from kvagentd.engine.model import LoadedModel
 from kvagentd.engine.service import Engine
 from kvagentd.kvcache.base import Tier
@@ -19,10 +20,11 @@ SYSTEM = "You watch the vibration of pump 1 and answer briefly."
 N = 24
 
 
-@pytest.fixture()
-def engine(tiny: LoadedModel, tmp_path: Path):
+@pytest.fixture(params=["contiguous", "paged"])
+def engine(request: pytest.FixtureRequest, tiny: LoadedModel, tmp_path: Path):
     store = make_store(tiny, tmp_path)
-    eng = Engine(tiny, store, state_dir=tmp_path / "state")
+    eng = Engine(tiny, store, state_dir=tmp_path / "state",
+                 executor_config=ExecutorConfig(kv_layout=request.param))
     eng.start()
     yield eng
     eng.stop()
