@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvagentd.config import Config, ConfigError, DebugConfig
+from kvagentd.secrets import read_secret
 
 if TYPE_CHECKING:
     import torch
@@ -150,31 +151,11 @@ def box_id(config: Config) -> str:
 
 
 def remote_password(config: Config, env: Mapping[str, str] | None = None) -> str | None:
-    """The remote store's password from `remote.password_file` or the systemd credential
-    `remote.password_credential` ($CREDENTIALS_DIRECTORY/<name>); None without either.
-    Raises ConfigError naming the field when it cannot be read."""
+    """The remote store's password (`remote.password_file` or the systemd credential
+    `remote.password_credential`); None without either; ConfigError naming the field."""
     r = config.remote
-    env = os.environ if env is None else env
-    if r.password_file is not None:
-        path, field_name = Path(r.password_file), "remote.password_file"
-    elif r.password_credential:
-        creds = env.get("CREDENTIALS_DIRECTORY")
-        if not creds:
-            raise ConfigError("remote.password_credential", r.password_credential,
-                              "the name of a credential the unit passes (LoadCredential=); "
-                              "$CREDENTIALS_DIRECTORY is not set")
-        path, field_name = Path(creds) / r.password_credential, "remote.password_credential"
-    else:
-        return None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(field_name, str(path), f"a readable file holding the password ({exc})"
-                          ) from None
-    password = text.rstrip("\r\n")
-    if not password:
-        raise ConfigError(field_name, str(path), "a file holding a non-empty password")
-    return password
+    return read_secret("remote", r.password_file, r.password_credential,
+                       os.environ if env is None else env)
 
 
 def remote_spec(config: Config, env: Mapping[str, str] | None = None) -> RemoteSpec | None:

@@ -25,12 +25,12 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import structlog
 
-from kvagentd.config import AssetConfig, MqttConfig
+from kvagentd.config import AssetConfig, ConfigError, MqttConfig
+from kvagentd.secrets import read_secret
 
 log = structlog.get_logger(__name__)
 
@@ -51,26 +51,10 @@ class BrokerConfigError(ValueError):
 
 def read_password(cfg: MqttConfig, environ: Mapping[str, str]) -> str | None:
     """The broker password from its file or systemd credential; None when none is configured."""
-    if cfg.password_credential:
-        cred_dir = environ.get("CREDENTIALS_DIRECTORY")
-        if not cred_dir:
-            raise BrokerConfigError(
-                f"agent.mqtt.password_credential = {cfg.password_credential!r} but "
-                "$CREDENTIALS_DIRECTORY is not set (add LoadCredential= to the unit)")
-        path = Path(cred_dir) / cfg.password_credential
-    elif cfg.password_file is not None:
-        path = Path(cfg.password_file)
-    else:
-        return None
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BrokerConfigError(f"cannot read the MQTT password from {path}: "
-                                f"{getattr(exc, 'strerror', None) or exc}") from None
-    password = text.rstrip("\r\n")
-    if not password:
-        raise BrokerConfigError(f"the MQTT password file {path} is empty")
-    return password
+        return read_secret("agent.mqtt", cfg.password_file, cfg.password_credential, environ)
+    except ConfigError as exc:
+        raise BrokerConfigError(str(exc)) from None
 
 
 def client_id(cfg: MqttConfig, asset: str, hostname: str | None = None) -> str:
