@@ -43,11 +43,12 @@ def _specs() -> list[Spec]:
             Spec(_ids(17, 4), join=1, chunk=64, new=3)]    # leaves early
 
 
-def _kvs(lm: LoadedModel, layout: str, specs: list[Spec]) -> list[SequenceKV]:
+def _kvs(lm: LoadedModel, layout: str, specs: list[Spec], device: str = "cpu"
+         ) -> list[SequenceKV]:
     geo = model_geometry(lm.model, BLOCK_TOKENS, lm.dtype)
     per = [-(-(len(s.prompt) + s.new) // BLOCK_TOKENS) for s in specs]
-    arena = torch.zeros((sum(per), *geo.block_shape), dtype=lm.dtype)
-    scratch = PagedScratch(geo, "cpu")
+    arena = torch.zeros((sum(per), *geo.block_shape), dtype=lm.dtype, device=device)
+    scratch = PagedScratch(geo, device)
     out: list[SequenceKV] = []
     at = 0
     for s, n in zip(specs, per):
