@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvagentd.engine.sequence import GenerationResult
+from kvagentd.kvcache.transitions import check_transition
 
 
 class Priority(enum.IntEnum):
@@ -118,8 +119,7 @@ class Job:
     # -- worker side ------------------------------------------------------------------------
 
     def move(self, new: JobState) -> None:
-        if new not in _TRANSITIONS[self.state]:
-            raise RuntimeError(f"job {self.id}: illegal transition {self.state} -> {new}")
+        check_transition(_TRANSITIONS, self.state, new, f"job {self.id} state")
         self.state = new
 
     def stop_reason(self, now: float | None = None) -> str | None:

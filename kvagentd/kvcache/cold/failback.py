@@ -23,6 +23,7 @@ import structlog
 import torch
 
 from kvagentd.kvcache.cold.causes import Cause
+from kvagentd.kvcache.cold.serving import ServingTier
 
 if TYPE_CHECKING:
     from kvagentd.kvcache.cold.failover import FailoverColdStore
@@ -91,7 +92,6 @@ def restore_blocker(fo: FailoverColdStore) -> str | None:
 
 def restore(fo: FailoverColdStore, reason: str) -> dict[str, Any]:
     """See `FailoverColdStore.restore`."""
-    from kvagentd.kvcache.cold.failover import ServingTier
 
     with fo.restore_lock:
         if fo.state is ServingTier.SSD and not fo.shadow.keys():
@@ -124,7 +124,6 @@ def restore(fo: FailoverColdStore, reason: str) -> dict[str, Any]:
 
 def _write_back(fo: FailoverColdStore) -> int:
     """Copy every shadow record to the SSD, deleting each from the shadow once stored."""
-    from kvagentd.kvcache.cold.failover import ServingTier
 
     moved = 0
     buf = torch.empty(fo.geometry.block_shape, dtype=fo.geometry.dtype)
@@ -151,3 +150,23 @@ def _write_back(fo: FailoverColdStore) -> int:
             fo.shadow.delete([b.key])
             moved += 1
     return moved
+
+
+def probe(fo: FailoverColdStore) -> dict[str, Any]:
+    """One health-interval probe: while on the shadow, count good probes and fail back
+    after `failback_good_probes` in a row (unless the restore is deferred)."""
+    if fo.state is not ServingTier.SHADOW:
+        return {"probed": False, "serving": fo.state.value}
+    ok = probe_once(fo)
+    with fo._lock:
+        fo.good_probes = fo.good_probes + 1 if ok else 0
+        due = fo.good_probes >= fo.failback_good_probes
+    out: dict[str, Any] = {"probed": True, "ok": ok, "good_probes": fo.good_probes}
+    if due:
+        try:
+            out["restore"] = restore(fo, f"{fo.good_probes} good probes")
+        except RestoreDeferred as exc:
+            out["restore_deferred"] = str(exc)
+        except FailoverError as exc:
+            out["restore_error"] = str(exc)
+    return out

@@ -32,14 +32,13 @@ cold writes from one of them:
 
 from __future__ import annotations
 
-import enum
 import os
 import sqlite3
 import threading
 import time
 from pathlib import Path
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import structlog
 import torch
@@ -49,26 +48,15 @@ from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdEntry, ColdListener,
 from kvagentd.kvcache.cold import failback
 from kvagentd.kvcache.cold.causes import Cause
 from kvagentd.kvcache.cold.failback import PROBE_NAME, FailoverError, RestoreDeferred
+from kvagentd.kvcache.cold.serving import TRANSITIONS, ColdView, ServingTier, view_of
 from kvagentd.kvcache.cold.store import ColdStore
 from kvagentd.kvcache.fileio import FileIO, FileOps
 from kvagentd.kvcache.transitions import check_transition
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["PROBE_NAME", "FailoverColdStore", "FailoverError", "RestoreDeferred", "ServingTier"]
-
-
-class ServingTier(enum.Enum):
-    SSD = "ssd"
-    SHADOW = "shadow"
-    RESTORING = "restoring"
-
-
-_TRANSITIONS: dict[ServingTier, frozenset[ServingTier]] = {
-    ServingTier.SSD: frozenset({ServingTier.SHADOW}),
-    ServingTier.SHADOW: frozenset({ServingTier.RESTORING}),
-    ServingTier.RESTORING: frozenset({ServingTier.SSD, ServingTier.SHADOW}),
-}
+__all__ = ["PROBE_NAME", "ColdView", "FailoverColdStore", "FailoverError", "RestoreDeferred",
+           "ServingTier"]
 
 
 def _suspect(cause: Cause) -> bool:
@@ -81,29 +69,6 @@ def _io_errors(store: ColdStore) -> int:
     """Faults a cold store has counted: read I/O errors plus failed writes (EIO, ENOSPC, EROFS)."""
     c = store.counters
     return c["io_errors"] + c["write_failures"]
-
-
-class ColdView(NamedTuple):
-    """What `FailoverColdStore.view()` reports: serving state and per-device counters
-    ("ssd", "shadow": the `ColdStore.counters` of each, e.g. reads, read_bytes, writes,
-    write_bytes, corrupt, missing, io_errors, write_failures, evicted)."""
-
-    serving: str  # ServingTier value
-    since: float  # unix seconds of the last switch
-    reason: str
-    read_only: bool  # the SSD store refuses writes (wear limit, EROFS)
-    ssd_bytes: int
-    ssd_capacity_bytes: int
-    shadow_bytes: int
-    shadow_capacity_bytes: int
-    counters: dict[str, dict[str, int]]
-    index_discarded: dict[str, str | None]  # why a device's index was set aside at open
-    failovers: int
-    failbacks: int
-    cause: str | None = None  # Cause value of the switch to the shadow (None on the SSD)
-    ssd_unwritable: str | None = None  # why the SSD directory could not be written at open
-    restore_deferred: str | None = None  # why the last due restore did not start
-    restore_need_bytes: int = 0  # free SSD space a restore wants (shadow records + floor)
 
 
 class FailoverColdStore:
@@ -167,10 +132,10 @@ class FailoverColdStore:
 
     # ---- state ---------------------------------------------------------------------------
     def set_state(self, new: ServingTier, reason: str, cause: Cause | None = None) -> None:
-        """Switch the serving tier (along `_TRANSITIONS`); `cause` of a switch to the shadow
+        """Switch the serving tier (along `TRANSITIONS`); `cause` of a switch to the shadow
         (kept when None: the restore going back)."""
         with self._lock:
-            check_transition(_TRANSITIONS, self.state, new, "cold tier serving")
+            check_transition(TRANSITIONS, self.state, new, "cold tier serving")
             old, self.state = self.state, new
             self.since, self.reason = self.clock(), reason
             self.good_probes = 0
@@ -461,22 +426,12 @@ class FailoverColdStore:
 
     def view(self) -> ColdView:
         """Read-only figures for health checks and metrics (no index scans)."""
-        with self._lock:
-            serving, since, reason = self.state.value, self.since, self.reason
-            cause, deferred = self.cause, self.restore_deferred
-        p, s = self.primary, self.shadow
-        return ColdView(serving=serving, since=since, reason=reason,
-                        read_only=bool(p.read_only) or p.unwritable is not None,
-                        ssd_bytes=p.bytes_used, ssd_capacity_bytes=p.capacity_bytes,
-                        shadow_bytes=s.bytes_used, shadow_capacity_bytes=self.shadow_capacity_bytes,
-                        counters={"ssd": dict(p.counters), "shadow": dict(s.counters)},
-                        index_discarded={"ssd": p.index.discarded_at_open,
-                                         "shadow": s.index.discarded_at_open},
-                        failovers=self.failovers, failbacks=self.failbacks,
-                        cause=cause.value if cause else None, ssd_unwritable=p.unwritable,
-                        restore_deferred=deferred,
-                        restore_need_bytes=(int(s.bytes_used) + self.free_floor_bytes
-                                            if serving != ServingTier.SSD.value else 0))
+        return view_of(self)
+
+    def probe(self) -> dict[str, Any]:
+        """One health-interval probe: while on the shadow, count good probes and fail back
+        after `failback_good_probes` in a row (unless the restore is deferred)."""
+        return failback.probe(self)
 
     def close(self) -> None:
         self.shadow.close()
@@ -489,25 +444,6 @@ class FailoverColdStore:
     def probe_once(self) -> bool:
         """Write, fsync, read back and remove a small file on the SSD through its file_io."""
         return failback.probe_once(self)
-
-    def probe(self) -> dict[str, Any]:
-        """One health-interval probe: while on the shadow, count good probes and fail back
-        after `failback_good_probes` in a row (unless the restore is deferred)."""
-        if self.state is not ServingTier.SHADOW:
-            return {"probed": False, "serving": self.state.value}
-        ok = self.probe_once()
-        with self._lock:
-            self.good_probes = self.good_probes + 1 if ok else 0
-            due = self.good_probes >= self.failback_good_probes
-        out: dict[str, Any] = {"probed": True, "ok": ok, "good_probes": self.good_probes}
-        if due:
-            try:
-                out["restore"] = self.restore(reason=f"{self.good_probes} good probes")
-            except RestoreDeferred as exc:
-                out["restore_deferred"] = str(exc)
-            except FailoverError as exc:
-                out["restore_error"] = str(exc)
-        return out
 
     def restore(self, reason: str = "operator request") -> dict[str, Any]:
         """Write every shadow record back to the SSD, then empty the shadow and serve from the
