@@ -17,11 +17,8 @@ import typer
 
 from kvagentd import __version__
 from kvagentd.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from kvagentd.exitcodes import EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_USAGE
 
-EX_USAGE = 64
-EX_DATAERR = 65
-EX_NOINPUT = 66
-EX_CONFIG = 78
 _CLICK_USAGE = 2
 
 app = typer.Typer(name="kvagentd", help="Tiered KV-cache agent daemon.", no_args_is_help=True,

@@ -12,12 +12,8 @@ applies the fields in `config.RELOADABLE`; a bad file is reported and the runnin
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import os
-import select
-import signal
-import socket
 import threading
 import time
 from datetime import datetime, UTC
@@ -32,17 +28,19 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from kvagentd import __version__
 from kvagentd import log as logsetup
-from kvagentd.config import (RELOADABLE, Config, ConfigError, diff_reloadable, load_config,
-                             parse_listen)
+from kvagentd.config import Config, ConfigError, load_config
 from kvagentd.control.handlers import register_all
 from kvagentd.control.router import Router
 from kvagentd.control.server import ControlServer, ControlSocketInUse
+from kvagentd.exitcodes import EX_OK, startup_exit_code
 from kvagentd.health import Acknowledgements, DaemonFacts, Facts, Report, assess, gather
 from kvagentd.health.facts import TICK_PREFIX
 from kvagentd.jobwatch import JobWatch
 from kvagentd.kvcache.transitions import check_transition
+from kvagentd.loop_requests import LoopRequests
 from kvagentd.metrics import CoreMetrics, new_registry
-from kvagentd.metrics_http import MetricsListener
+from kvagentd.metrics_http import MetricsListener, start_listener
+from kvagentd.reload import merge_reloadable
 from kvagentd.scrape import Scrape, ScrapeCollector
 from kvagentd.services import BuildContext, Service, Services, build_services
 from kvagentd.status import GpuProbe, host_status
@@ -50,18 +48,9 @@ from kvagentd.systemd import Notifier
 
 log = structlog.get_logger(__name__)
 
-# Exit codes (sysexits.h)
-EX_OK = 0
-EX_SOFTWARE = 70
-EX_CANTCREAT = 73
-EX_NOPERM = 77
-EX_CONFIG = 78
-
 # Seconds of EXTEND_TIMEOUT_USEC requested before each service starts or stops.
 SERVICE_START_ALLOWANCE_S = 300.0
 SERVICE_STOP_ALLOWANCE_S = 120.0
-# A stop signal this soon after the first one is a duplicate delivery, not a second request.
-SECOND_SIGNAL_MIN_GAP_S = 0.5
 
 
 class Phase(enum.Enum):
@@ -111,15 +100,9 @@ class Daemon:
         self.gpu = GpuProbe()
         self._phase = Phase.STARTING
         self._phase_lock = threading.Lock()
-        self._stop_reason: str | None = None
-        self._reload_requested = False
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self.requests = LoopRequests()
         self._last_progress = time.monotonic()
         self._last_status_line = ""
-        self._signals_installed = False
-        self._first_signal_at = 0.0
 
     # -- state -----------------------------------------------------------------------------
 
@@ -174,11 +157,11 @@ class Daemon:
 
     def run(self) -> int:
         """Start, serve until asked to stop, shut down. Returns the process exit code."""
-        self._install_signals()
+        self.requests.install_signals()
         try:
             self.startup()
         except Exception as exc:  # any startup failure: stop what started, exit non-zero
-            code = _startup_exit_code(exc)
+            code = startup_exit_code(exc)
             if isinstance(exc, ConfigError | ControlSocketInUse | PermissionError):
                 log.error("startup_failed", error=str(exc), exit_code=code)
             else:
@@ -186,7 +169,7 @@ class Daemon:
             self.notifier.status(f"failed to start: {exc}")
             self.shutdown()
             return code
-        if self._stop_reason is None:
+        if self.requests.stop_reason is None:
             self.main_loop()
         self.shutdown()
         return EX_OK
@@ -214,8 +197,8 @@ class Daemon:
                                                       on_phase=self._on_build_phase,
                                                       health=self.health))
         for name, service in self.services.in_order():
-            if self._stop_reason is not None:
-                log.info("startup_interrupted", reason=self._stop_reason, before=name)
+            if self.requests.stop_reason is not None:
+                log.info("startup_interrupted", reason=self.requests.stop_reason, before=name)
                 return
             started = time.monotonic()
             self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
@@ -233,20 +216,9 @@ class Daemon:
                  startup_s=round(self.uptime_s(), 3))
 
     def _start_metrics_listener(self) -> None:
-        """The optional metrics-only TCP listener; one that cannot bind is a degraded health
-        check, never a failed start (the agent matters more than its scrape)."""
-        if not self.config.metrics.listen:
-            return
-        host, port = parse_listen(self.config.metrics.listen)
-        listener = MetricsListener(host, port, self.metrics)
-        try:
-            listener.start()
-        except OSError as exc:
-            self.metrics_error = f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-            log.error("metrics_listener_failed", address=f"{host}:{port}", error=str(exc),
-                      effect="metrics only on the control socket")
-            return
-        self.metrics_listener = listener
+        if self.config.metrics.listen:
+            self.metrics_listener, self.metrics_error = start_listener(
+                self.config.metrics.listen, self.metrics)
 
     def _on_build_phase(self, text: str) -> None:
         self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
@@ -261,14 +233,13 @@ class Daemon:
         now = time.monotonic()
         next_watchdog = now
         next_status = now + STATUS_EVERY_S
-        while self._stop_reason is None:
+        while self.requests.stop_reason is None:
             now = time.monotonic()
             timeout = interval if wd is None else max(0.0, min(interval, next_watchdog - now))
-            self._wait(timeout)
-            if self._reload_requested:
-                self._reload_requested = False
+            self.requests.wait(timeout)
+            if self.requests.take_reload():
                 self.reload()
-            if self._stop_reason is not None:
+            if self.requests.stop_reason is not None:
                 break
             self._last_progress = now = time.monotonic()
             self.core_metrics.loop_iterations.inc()
@@ -286,7 +257,7 @@ class Daemon:
                 if line != self._last_status_line:
                     self.notifier.status(line)
                     self._last_status_line = line
-        log.info("daemon_stopping", reason=self._stop_reason)
+        log.info("daemon_stopping", reason=self.requests.stop_reason)
 
     def shutdown(self) -> None:
         if self._phase is Phase.STOPPED:
@@ -315,59 +286,16 @@ class Daemon:
         self._set_phase(Phase.STOPPED)
         log.info("daemon_stopped", uptime_s=round(self.uptime_s(), 3))
         self.notifier.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        self.requests.close()
 
     # -- requests from signals and the API ---------------------------------------------------
 
     def request_shutdown(self, reason: str) -> None:
         """Ask the main loop to stop (thread-safe, async-signal-safe)."""
-        if self._stop_reason is None:
-            self._stop_reason = reason
-        self._wake()
+        self.requests.stop(reason)
 
     def request_reload(self) -> None:
-        self._reload_requested = True
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"\0")
-        except (BlockingIOError, OSError):
-            pass  # buffer full (the loop is due to wake anyway) or the daemon has stopped
-
-    def _wait(self, timeout: float) -> None:
-        readable, _, _ = select.select([self._wake_r], [], [], timeout)
-        if readable:
-            try:
-                while self._wake_r.recv(4096):
-                    pass
-            except BlockingIOError:
-                pass  # drained
-
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # embedded (tests): the host process owns signals
-        signal.signal(signal.SIGTERM, self._on_stop_signal)
-        signal.signal(signal.SIGINT, self._on_stop_signal)
-        signal.signal(signal.SIGHUP, self._on_hup)
-        self._signals_installed = True
-
-    def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        # NOTE: runs between bytecodes of the main thread: set flags and wake only, no logging.
-        now = time.monotonic()
-        if self._stop_reason is not None:
-            # A copy of the first signal (a wrapper such as timeout(1) signals both the child
-            # and its process group) is not a second request.
-            if now - self._first_signal_at < SECOND_SIGNAL_MIN_GAP_S:
-                return
-            os.write(2, b"kvagentd: second stop signal, exiting at once\n")
-            os._exit(128 + signum)
-        self._first_signal_at = now
-        self.request_shutdown(signal.Signals(signum).name)
-
-    def _on_hup(self, signum: int, frame: Any) -> None:
-        self.request_reload()
+        self.requests.reload()
 
     # -- reload ------------------------------------------------------------------------------
 
@@ -385,12 +313,7 @@ class Daemon:
             self.core_metrics.reloads.labels("rejected").inc()
             self.notifier.ready(f"reload rejected: {exc}")
             return {"applied": {}, "restart_required": [], "error": str(exc)}
-        changes = diff_reloadable(self.config, new)
-        live = {k: v for k, v in changes.items() if k in RELOADABLE}
-        restart = sorted(k for k in changes if k not in RELOADABLE)
-        merged = self.config
-        for path in live:
-            merged = _with_field(merged, path.split("."), new)
+        merged, live, restart = merge_reloadable(self.config, new)
         self.config = merged
         if "daemon.log_level" in live:
             logsetup.set_level(merged.daemon.log_level)
@@ -540,25 +463,6 @@ class Daemon:
                         missed_total=rec.missed if rec else None)
 
 
-def _with_field(cfg: Any, parts: list[str], source: Any) -> Any:
-    """`cfg` with the field at `parts` taken from `source` (same config type)."""
-    head = parts[0]
-    value = getattr(source, head)
-    if len(parts) > 1:
-        value = _with_field(getattr(cfg, head), parts[1:], value)
-    return dataclasses.replace(cfg, **{head: value})
-
-
 def _ensure_dir(path: Path) -> None:
     if not path.exists():
         path.mkdir(parents=True, mode=0o750)
-
-
-def _startup_exit_code(exc: BaseException) -> int:
-    if isinstance(exc, ConfigError):
-        return EX_CONFIG
-    if isinstance(exc, PermissionError):
-        return EX_NOPERM
-    if isinstance(exc, ControlSocketInUse):
-        return EX_CANTCREAT
-    return EX_SOFTWARE

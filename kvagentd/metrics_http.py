@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from kvagentd import __version__
+from kvagentd.config import parse_listen
 
 log = structlog.get_logger(__name__)
 
@@ -134,3 +135,19 @@ class MetricsListener:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def start_listener(listen: str, registry: CollectorRegistry
+                   ) -> tuple[MetricsListener | None, str | None]:
+    """The optional metrics-only TCP listener on `listen` ("PORT" or "HOST:PORT"), or why it
+    could not start: a port that cannot be bound is a degraded health check, never a failed
+    start (the agent matters more than its scrape)."""
+    host, port = parse_listen(listen)
+    listener = MetricsListener(host, port, registry)
+    try:
+        listener.start()
+    except OSError as exc:
+        log.error("metrics_listener_failed", address=f"{host}:{port}", error=str(exc),
+                  effect="metrics only on the control socket")
+        return None, f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return listener, None

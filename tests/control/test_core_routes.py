@@ -101,4 +101,4 @@ def test_metrics_route_is_prometheus_text(daemon: Daemon) -> None:
 def test_shutdown_route_asks_the_main_loop_to_stop(daemon: Daemon) -> None:
     with _client(daemon) as c:
         assert c.post("/v1/shutdown").json() == {"stopping": True}
-    assert daemon._stop_reason is not None and "uid 0" in daemon._stop_reason
+    assert daemon.requests.stop_reason is not None and "uid 0" in daemon.requests.stop_reason

@@ -165,7 +165,7 @@ def test_phase_transitions_are_checked(tmp: Path) -> None:
 
 
 def test_with_field_replaces_one_nested_leaf() -> None:
-    from kvagentd.daemon import _with_field
+    from kvagentd.reload import with_field as _with_field
     a = load_config(None, env={})
     b = dataclasses.replace(a, daemon=dataclasses.replace(a.daemon, log_level="debug",
                                                           drain_timeout_s=1.0))

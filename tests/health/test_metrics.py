@@ -155,7 +155,7 @@ def test_metrics_listener_serves_only_metrics_over_tcp(short_dir: Path) -> None:
                 assert c.get(path).status_code == 404, path
             assert c.post("/metrics").status_code == 405
             assert c.post("/v1/shutdown").status_code == 405
-        assert d.ready and d._stop_reason is None
+        assert d.ready and d.requests.stop_reason is None
         assert d.status()["metrics_listener"] == f"http://127.0.0.1:{port}/metrics"
     finally:
         d.request_shutdown("test")
