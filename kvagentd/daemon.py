@@ -31,7 +31,8 @@ from kvagentd import log as logsetup
 from kvagentd.config import Config, ConfigError, load_config
 from kvagentd.control.handlers import register_all
 from kvagentd.control.router import Router
-from kvagentd.control.server import ControlServer, ControlSocketInUse
+from kvagentd.control.server import ControlServer
+from kvagentd.control.socketfile import ControlSocketInUse
 from kvagentd.exitcodes import EX_OK, startup_exit_code
 from kvagentd.health import Acknowledgements, DaemonFacts, Facts, Report, assess, gather
 from kvagentd.health.facts import TICK_PREFIX

@@ -17,7 +17,7 @@ EX_CONFIG = 78  # systemd does not restart after it (RestartPreventExitStatus=78
 def startup_exit_code(exc: BaseException) -> int:
     """Bad configuration 78, permission denied 77, the control socket held by another
     process 73, anything else 70."""
-    from kvagentd.control.server import ControlSocketInUse
+    from kvagentd.control.socketfile import ControlSocketInUse
 
     if isinstance(exc, ConfigError):
         return EX_CONFIG

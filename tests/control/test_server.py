@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvagentd.control.router import Router
-from kvagentd.control.server import ControlServer, ControlSocketInUse
+from kvagentd.control.server import ControlServer
+from kvagentd.control.socketfile import ControlSocketInUse
 from tests.control.conftest import Harness, make_config, read_all, start_harness, wait_until
 
 

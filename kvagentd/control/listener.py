@@ -1,0 +1,78 @@
+"""The control socket's accept loop: connections drained from the backlog in batches, each
+admitted (or refused) by its peer's uid before a thread is spent on it (`admission`)."""
+
+from __future__ import annotations
+
+import socketserver
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from kvagentd.control.authz import peer_cred
+from kvagentd.control.connection import ControlHandler
+
+if TYPE_CHECKING:
+    from kvagentd.control.server import ControlServer
+
+log = structlog.get_logger(__name__)
+
+ACCEPT_BATCH = 256  # connections accepted per wake-up of the accept loop
+
+
+class Listener(socketserver.ThreadingUnixStreamServer):
+    """Accepts on the control socket; one thread per admitted connection (`ControlHandler`)."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, control: ControlServer) -> None:
+        self.control = control
+        self.request_queue_size = control.cfg.listen_backlog
+        super().__init__(str(control.path), ControlHandler, bind_and_activate=False)
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.socket.setblocking(False)  # accepts drain the backlog until EAGAIN
+
+    def _handle_request_noblock(self) -> None:
+        # NOTE: socketserver accepts one connection per wake-up of its selector; under a flood
+        # that lets the backlog fill (connects then fail with EAGAIN). Drain it in batches.
+        for _ in range(ACCEPT_BATCH):
+            try:
+                request, _ = self.socket.accept()
+            except OSError:  # EAGAIN: the backlog is empty (or the peer left already)
+                return
+            try:
+                self.process_request(request, None)
+            except Exception:
+                self.handle_error(request, None)
+                self.shutdown_request(request)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            peer = peer_cred(request)
+        except OSError:  # the peer left before we looked
+            self.shutdown_request(request)
+            return
+        refusal = self.control.admission.admit(peer)
+        if refusal is not None:
+            self.control.observe("<rejected>", "-", 503, 0.0)
+            self.control.admission.refuse(request, refusal)
+            return
+        try:
+            super().process_request(request, peer)
+        except BaseException:
+            self.control.admission.release(peer)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.control.admission.release(client_address)
+
+    def service_actions(self) -> None:
+        self.control.admission.reap()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.error("control_connection_failed", exc_info=True)
