@@ -112,7 +112,7 @@ class Timeout(ApiError):
 # Exceptions raised below the control layer, mapped by qualified class name so that importing
 # this module never imports the engine (torch) or the store. Checked along the exception's MRO.
 _MAPPED_BY_NAME: dict[str, type[ApiError]] = {
-    "kvagentd.config.ConfigError": BadConfig,
+    "kvagentd.config.errors.ConfigError": BadConfig,
     "kvagentd.engine.executor.QueueFull": Busy,
     # A job whose deadline passed while it waited, or that the stopping executor never ran.
     "kvagentd.engine.executor.JobNotRun": Busy,
