@@ -10,17 +10,20 @@ it reaches only the block table, the pools and the store's counters, under the o
 - `cold_failed_over`: the cold tier writes to a stand-in now, so hot and warm blocks stop
   relying on copies on the failed device and are written again when demoted; `epoch` counts
   these failovers (the write-behind never trusts a copy written across one).
+- `shared_found`: blocks a shared cold tier holds that this store did not list become COLD.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import time
+
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, Tier
 from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.state import BlockState, transition
+from kvagentd.kvcache.state import BlockMeta, BlockState, transition
 from kvagentd.kvcache.table import BlockTable
 
 log = structlog.get_logger(__name__)
@@ -77,6 +80,26 @@ class ColdLink:
                     n += self.t.drop_cold_copy(m)
             self.counters["cold_copies_dropped"] += n
         log.warning("store_cold_copies_dropped", blocks=n)
+
+    def shared_found(self, keys: Sequence[BlockKey]) -> int:
+        """List blocks the cold tier can read but this store did not know (or had LOST) as
+        COLD; returns how many of `keys`, from the first, are listed now."""
+        now = time.time()
+        with self.t.cond:
+            for i, k in enumerate(keys):
+                m = self.t.meta.get(k)
+                if m is None:
+                    m = BlockMeta(k, in_cold=True, last_access=now)
+                    transition(m, BlockState.COLD)
+                    self.t.meta[k] = m
+                elif m.state is BlockState.LOST:
+                    transition(m, BlockState.FREE)
+                    m.in_cold, m.last_access = True, now
+                    transition(m, BlockState.COLD)
+                elif m.state is BlockState.FREE:
+                    return i
+                self.counters["shared_found"] += 1
+        return len(keys)
 
     def forget_expired(self, keys: Iterable[BlockKey], now: float, ttl_s: float
                        ) -> tuple[list[BlockKey], int]:

@@ -20,8 +20,9 @@ demoting them writes them again (to the stand-in) instead of relying on a copy t
 unreadable.
 
 Shared cold tier: a cold tier shared with other boxes (the remote tier) is asked on a miss
-past the blocks this store lists (`ColdTier.lookup`); what it holds becomes COLD blocks here.
-Freshly computed blocks are offered to it at `commit` (`ColdTier.offer`).
+past the blocks this store lists (`ColdTier.lookup`); what it holds becomes COLD blocks here
+(`ColdLink.shared_found`). Freshly computed blocks are offered to it at `commit`
+(`ColdTier.offer`).
 
 Persistence: the write-behind (`writebehind.py`, when configured) writes committed hot and
 warm blocks to the cold tier every interval and saves the session -> keys map, so a power
@@ -32,7 +33,6 @@ so `match_prefix` finds those blocks after a restart.
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -48,11 +48,11 @@ from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdTier, ColdTierFactor
 from kvagentd.kvcache.coldlink import ColdLink
 from kvagentd.kvcache.mover import Mover
 from kvagentd.kvcache.persist import load_table, persist_blocks
-from kvagentd.kvcache.placement.base import BlockStates, block_states
+from kvagentd.kvcache.placement.base import BlockStates
 from kvagentd.kvcache.pool import BlockPool
 from kvagentd.kvcache.room import ROUNDS
-from kvagentd.kvcache.state import STATE_TIER, BlockMeta, BlockState, transition
-from kvagentd.kvcache.table import POOL_TIERS, BlockTable
+from kvagentd.kvcache.state import STATE_TIER, BlockMeta, BlockState
+from kvagentd.kvcache.table import BlockTable
 from kvagentd.kvcache.writebehind import WriteBehind, WriteBehindPolicy
 
 log = structlog.get_logger(__name__)
@@ -151,31 +151,11 @@ class TieredKVStore(KVStore):
         if n < len(keys) and self._cold is not None:
             found = self._cold.lookup(keys[n:])
             if found:
-                n += self._register_cold(keys[n:n + found])
+                n += self.cold_link.shared_found(keys[n:n + found])
         with self._cond:
             self.counters["match_calls"] += 1
             self.counters["matched_blocks"] += n
         return MatchResult(keys[:n], n * self.geometry.block_tokens)
-
-    def _register_cold(self, keys: Sequence[BlockKey]) -> int:
-        """List blocks the cold tier can read but this store did not know (or had LOST) as
-        COLD; returns how many of `keys`, from the first, are listed now."""
-        now = time.time()
-        with self._cond:
-            for i, k in enumerate(keys):
-                m = self._t.meta.get(k)
-                if m is None:
-                    m = BlockMeta(k, in_cold=True, last_access=now)
-                    transition(m, BlockState.COLD)
-                    self._t.meta[k] = m
-                elif m.state is BlockState.LOST:
-                    transition(m, BlockState.FREE)
-                    m.in_cold, m.last_access = True, now
-                    transition(m, BlockState.COLD)
-                elif m.state is BlockState.FREE:
-                    return i
-                self.counters["shared_found"] += 1
-        return len(keys)
 
     def hot_arena(self) -> torch.Tensor:
         return self._pools[Tier.HOT].arena
@@ -248,37 +228,10 @@ class TieredKVStore(KVStore):
         keys = self.block_keys(token_ids)[first_block:first_block + len(slots)]
         if len(keys) != len(slots):
             raise ValueError(f"{len(slots)} slots but only {len(keys)} full blocks from {first_block}")
-        leases, owners = self._t.leases, self._t.owners[Tier.HOT]
         with self._cond:
-            for s in slots:
-                if not leases.is_private(session, s):
-                    raise ValueError(f"slot {s} is not a private slot of session {session!r}")
-            now = time.time()
-            fresh: list[tuple[BlockKey, int]] = []  # computed here: offered to the cold tier
-            for key, s in zip(keys, slots):
-                leases.claim_private(session, s)
-                m = self._t.meta.get(key)
-                if m is not None and m.state is BlockState.LOST:
-                    # recomputed: the fresh copy revives the block in place, so requests that
-                    # hold it (and its pins and sessions) keep referring to the same block
-                    transition(m, BlockState.FREE)
-                    m.slot, m.in_cold = s, False
-                    m.version += 1
-                    transition(m, BlockState.HOT)
-                    owners[s] = key
-                    fresh.append((key, s))
-                elif m is not None:  # the same content exists: keep it, free the duplicate
-                    self._pools[Tier.HOT].free([s])
-                    self.counters["dedup"] += 1
-                else:
-                    m = BlockMeta(key, slot=s)
-                    transition(m, BlockState.HOT)
-                    owners[s] = key
-                    self._t.meta[key] = m
-                    fresh.append((key, s))
-                m.sessions.add(session)
-                m.last_access = now
-                self._t.hold(session, m)
+            fresh, dedup = self._t.add_computed(session, keys, slots, self._pools[Tier.HOT],
+                                                time.time())
+            self.counters["dedup"] += dedup
         if fresh and self._cold is not None:  # held by `session`: the slots stay put until release
             arena = self._pools[Tier.HOT].arena
             self._cold.offer([k for k, _ in fresh], [arena[s] for _, s in fresh], session=session)
@@ -405,23 +358,14 @@ class TieredKVStore(KVStore):
     def stats(self) -> dict[str, Any]:
         bb = self.geometry.block_bytes
         with self._cond:
-            by_state, pinned, in_use = self._t.state_counts()
-            tiers: dict[str, dict[str, Any]] = {}
-            for t in POOL_TIERS:
-                n = by_state.get(t.value, 0)
-                tiers[t.value] = {"blocks": n, "bytes": n * bb, **self._pools[t].stats()}
-            out: dict[str, Any] = {
-                "block_bytes": bb, "blocks": len(self._t.meta), "states": by_state,
-                "pinned": pinned, "in_use": in_use,
-                "private_slots": self._t.leases.private_count(), "tiers": tiers,
-                "migrations": self._mig.moved, "migration_failures": self._mig.failed,
-                **self.counters,
-            }
-        cold: dict[str, Any] = {"blocks": by_state.get("cold", 0),
-                                "bytes": by_state.get("cold", 0) * bb}
+            out = self._t.stats(self._pools, bb)
+            out.update(migrations=self._mig.moved, migration_failures=self._mig.failed,
+                       **self.counters)
+        n_cold = out["states"].get("cold", 0)
+        cold: dict[str, Any] = {"blocks": n_cold, "bytes": n_cold * bb}
         if self._cold is not None:
             cold.update(self._cold.stats())
-        tiers["cold"] = cold
+        out["tiers"]["cold"] = cold
         out["write_behind"] = (self._wb.status() if self._wb is not None
                                else {"enabled": False})
         return out
@@ -467,22 +411,16 @@ class TieredKVStore(KVStore):
 
     # -- placement's view of a few blocks (`placement.base.PlacementStore`) -------------------
     def block_states(self, keys: Sequence[BlockKey]) -> BlockStates:
-        """Tier (None while moving or lost), idleness (settled, unused, unpinned) and last use
-        of each of `keys`, in O(len(keys)): what a placement round needs of the blocks it
-        looks at, without a snapshot of every block."""
+        """What a placement round needs of the blocks it looks at (`BlockTable.block_states`),
+        in O(len(keys)), without a snapshot of every block."""
         with self._cond:
-            ms = list(map(self._t.meta.get, keys))
-            return block_states(
-                [m is not None for m in ms], [m.tier if m is not None else None for m in ms],
-                [m is not None and m.tier is not None and m.users == 0 and m.pins == 0
-                 for m in ms],
-                [m.last_access if m is not None else 0.0 for m in ms])
+            return self._t.block_states(keys)
 
     def least_recent_idle(self, tier: Tier, n: int) -> list[BlockKey]:
         """Up to `n` idle blocks of the hot or warm tier, least recently used first: the order
         in which the store's own room-making demotes them. O(n)."""
         with self._cond:
-            return list(itertools.islice(self._t.idle[tier], max(0, n)))
+            return self._t.least_recent_idle(tier, n)
 
     def sample_idle(self, tier: Tier, n: int) -> list[BlockKey]:
         """Idle blocks of the hot or warm tier found in `n` slots drawn at random (distinct,
@@ -492,5 +430,4 @@ class TieredKVStore(KVStore):
             return []
         slots = random.sample(range(cap), min(n, cap))
         with self._cond:
-            owners, idle = self._t.owners[tier], self._t.idle[tier]
-            return [k for s in slots if (k := owners.get(s)) is not None and k in idle]
+            return self._t.idle_at(tier, slots)

@@ -10,16 +10,23 @@ hold it. Readers of a MIGRATING block wait on `cond` (`wait_settled`).
   or arrives in the tier, and leaves when it is used, pinned, moved or freed, so choosing
   victims costs O(victims), not O(blocks).
 - `leases`: the use-references and private hot slots of running requests (`Leases`).
+
+Its operations: blocks a request computed (`add_computed`), forgetting and relocating idle
+blocks, victims for room-making, and the views (`stats`, per session, placement's view of a
+few blocks) the store serves under the lock.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvagentd.kvcache.base import BlockInfo, BlockKey, Tier
 from kvagentd.kvcache.leases import Leases
+from kvagentd.kvcache.placement.base import BlockStates, block_states
 from kvagentd.kvcache.pool import BlockPool
 from kvagentd.kvcache.state import BlockMeta, BlockState, IntegrityError, transition
 
@@ -65,6 +72,46 @@ class BlockTable:
         self.leases.unhold(session, m.key)
         m.users -= 1
         self.touch(m)
+
+    def add_computed(self, session: str, keys: Sequence[BlockKey], slots: Sequence[int],
+                     hot: BlockPool, now: float) -> tuple[list[tuple[BlockKey, int]], int]:
+        """Record the blocks `session` computed into its private hot `slots` (one per key) as
+        HOT blocks it references and holds. A LOST block of the same key is revived in place;
+        where the block exists otherwise, the duplicate slot goes back to `hot`. Raises
+        ValueError, before any change, when a slot is not a private slot of `session`.
+        Returns the (key, slot) pairs computed here (to offer to the cold tier) and how many
+        duplicates were freed."""
+        owners = self.owners[Tier.HOT]
+        for s in slots:
+            if not self.leases.is_private(session, s):
+                raise ValueError(f"slot {s} is not a private slot of session {session!r}")
+        fresh: list[tuple[BlockKey, int]] = []
+        dedup = 0
+        for key, s in zip(keys, slots):
+            self.leases.claim_private(session, s)
+            m = self.meta.get(key)
+            if m is not None and m.state is BlockState.LOST:
+                # recomputed: the fresh copy revives the block in place, so requests that
+                # hold it (and its pins and sessions) keep referring to the same block
+                transition(m, BlockState.FREE)
+                m.slot, m.in_cold = s, False
+                m.version += 1
+                transition(m, BlockState.HOT)
+                owners[s] = key
+                fresh.append((key, s))
+            elif m is not None:  # the same content exists: keep it, free the duplicate
+                hot.free([s])
+                dedup += 1
+            else:
+                m = BlockMeta(key, slot=s)
+                transition(m, BlockState.HOT)
+                owners[s] = key
+                self.meta[key] = m
+                fresh.append((key, s))
+            m.sessions.add(session)
+            m.last_access = now
+            self.hold(session, m)
+        return fresh, dedup
 
     def forget(self, m: BlockMeta, pools: dict[Tier, BlockPool]) -> None:
         """Drop an idle, settled block from the table (its pool slot is freed)."""
@@ -177,6 +224,38 @@ class BlockTable:
             pinned += m.pins > 0
             in_use += m.users > 0
         return by_state, pinned, in_use
+
+    def stats(self, pools: dict[Tier, BlockPool], block_bytes: int) -> dict[str, Any]:
+        """The table's part of `TieredKVStore.stats`: blocks, per state, pinned, in use,
+        private slots, and per pool tier its blocks, bytes and the pool's own figures."""
+        by_state, pinned, in_use = self.state_counts()
+        tiers: dict[str, dict[str, Any]] = {}
+        for t in POOL_TIERS:
+            n = by_state.get(t.value, 0)
+            tiers[t.value] = {"blocks": n, "bytes": n * block_bytes, **pools[t].stats()}
+        return {"block_bytes": block_bytes, "blocks": len(self.meta), "states": by_state,
+                "pinned": pinned, "in_use": in_use,
+                "private_slots": self.leases.private_count(), "tiers": tiers}
+
+    # -- placement's view of a few blocks (through `TieredKVStore`) -----------------------------
+    def block_states(self, keys: Sequence[BlockKey]) -> BlockStates:
+        """Tier (None while moving or lost), idleness (settled, unused, unpinned) and last use
+        of each of `keys`, in O(len(keys))."""
+        ms = list(map(self.meta.get, keys))
+        return block_states(
+            [m is not None for m in ms], [m.tier if m is not None else None for m in ms],
+            [m is not None and m.tier is not None and m.users == 0 and m.pins == 0
+             for m in ms],
+            [m.last_access if m is not None else 0.0 for m in ms])
+
+    def least_recent_idle(self, tier: Tier, n: int) -> list[BlockKey]:
+        """Up to `n` idle blocks of `tier`, least recently used first. O(n)."""
+        return list(itertools.islice(self.idle[tier], max(0, n)))
+
+    def idle_at(self, tier: Tier, slots: Iterable[int]) -> list[BlockKey]:
+        """The idle blocks living in `slots` of `tier`, in the order of `slots`."""
+        owners, idle = self.owners[tier], self.idle[tier]
+        return [k for s in slots if (k := owners.get(s)) is not None and k in idle]
 
     def busy_slots(self, tier: Tier) -> list[int]:
         """Used slots of `tier` a relocation must skip: in use, private or mid-migration."""
