@@ -22,8 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
-from apscheduler.events import (EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, EVENT_JOB_MAX_INSTANCES,
-                                EVENT_JOB_MISSED, JobEvent)
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from kvagentd import __version__
@@ -36,6 +34,7 @@ from kvagentd.control.socketfile import ControlSocketInUse
 from kvagentd.exitcodes import EX_OK, startup_exit_code
 from kvagentd.health import Acknowledgements, DaemonFacts, Facts, Report, assess, gather
 from kvagentd.health.facts import TICK_PREFIX
+from kvagentd.jobevents import JOB_EVENTS, JobEventListener
 from kvagentd.jobwatch import JobWatch
 from kvagentd.kvcache.transitions import check_transition
 from kvagentd.loop_requests import LoopRequests
@@ -84,8 +83,8 @@ class Daemon:
         self.core_metrics = CoreMetrics(self.metrics)
         self.scheduler = BackgroundScheduler()
         self.jobs = JobWatch()
-        self.scheduler.add_listener(self._on_job_event, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR
-                                    | EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
+        self.scheduler.add_listener(JobEventListener(self.jobs, self.core_metrics, log),
+                                    JOB_EVENTS)
         self.acks = Acknowledgements()
         self.metrics.register(ScrapeCollector(self.scrape))
         self._health_level = "ok"
@@ -447,21 +446,6 @@ class Daemon:
     def _threads_alive(self) -> bool:
         server_ok = self.server is None or self.server.serving
         return server_ok and self.scheduler.running
-
-    def _on_job_event(self, event: JobEvent) -> None:
-        outcome, duration = self.jobs.on_event(event)
-        label = "skipped_overlap" if outcome == "skipped" else outcome
-        if duration is not None and event.job_id.startswith(TICK_PREFIX):
-            self.core_metrics.tick_seconds.labels(event.job_id[len(TICK_PREFIX):]).observe(
-                duration)
-        self.core_metrics.job_runs.labels(event.job_id, label).inc()
-        if outcome == "error":
-            log.error("job_failed", job=event.job_id, exc_info=getattr(event, "exception", None))
-        elif outcome in ("missed", "skipped"):
-            rec = self.jobs.record(event.job_id)
-            log.warning("job_skipped", job=event.job_id, reason=label,
-                        skipped_total=rec.skipped if rec else None,
-                        missed_total=rec.missed if rec else None)
 
 
 def _ensure_dir(path: Path) -> None:
