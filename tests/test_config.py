@@ -201,3 +201,25 @@ def test_demo_profile_keeps_state_under_var(monkeypatch: pytest.MonkeyPatch) -> 
     (asset,) = cfg.agent.assets
     assert asset.source == "simulated" and asset.fault.kind == "outer_race"
     assert 60 <= asset.fault.onset_s <= 600
+
+
+@pytest.mark.parametrize("text,mqtt,remote", [
+    ('[agent.mqtt]\nbox_id = "line1-box7"\n', "line1-box7", "line1-box7"),
+    ('[remote]\nurl = "redis://h/0"\nbox_id = "line1-box7"\n', "line1-box7", "line1-box7"),
+    ('[agent.mqtt]\nbox_id = "b7"\n[remote]\nurl = "redis://h/0"\nbox_id = "b7"\n', "b7", "b7"),
+    ("", "", ""),
+])
+def test_one_box_name_for_mqtt_and_the_fleet(tmp_path: Path, text: str, mqtt: str,
+                                             remote: str) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    cfg = load_config(p, env={})
+    assert (cfg.agent.mqtt.box_id, cfg.remote.box_id) == (mqtt, remote)
+
+
+def test_two_box_names_are_refused(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[agent.mqtt]\nbox_id = "b7"\n[remote]\nurl = "redis://h/0"\nbox_id = "b8"\n')
+    with pytest.raises(ConfigError) as exc:
+        load_config(p, env={})
+    assert exc.value.path == "remote.box_id" and "b7" in str(exc.value)

@@ -120,8 +120,9 @@ def _remote_checks(r: RemoteConfig) -> None:
     if (r.tls_cert_file is None) != (r.tls_key_file is None):
         raise ConfigError("remote.tls_key_file", str(r.tls_key_file),
                           "set together with remote.tls_cert_file")
-    if r.box_id and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", r.box_id):
-        raise ConfigError("remote.box_id", r.box_id, "1-64 of letters, digits, _ . : -")
+    if r.box_id and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", r.box_id):
+        raise ConfigError("remote.box_id", r.box_id,
+                          "1-64 of letters, digits, _ . - (as agent.mqtt.box_id)")
     if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", r.key_prefix):
         raise ConfigError("remote.key_prefix", r.key_prefix, "1-64 of letters, digits, _ . : -")
 

@@ -45,7 +45,24 @@ def load_config(path: str | os.PathLike[str] | None = None,
     _apply_env(raw, os.environ if env is None else env)
     cfg = _build(Config, raw, "")
     cross_checks(cfg)
-    return cfg
+    return _one_box_name(cfg)
+
+
+def _one_box_name(cfg: Config) -> Config:
+    """One box, one name: `agent.mqtt.box_id` (in MQTT client ids) and `remote.box_id` (in the
+    fleet) name the same box, so either one set names it in both places; both set and
+    different is an error (a fleet and its broker would know the box by two names)."""
+    mqtt, remote = cfg.agent.mqtt.box_id, cfg.remote.box_id
+    if mqtt and remote and mqtt != remote:
+        raise ConfigError("remote.box_id", remote,
+                          f"empty or the same as agent.mqtt.box_id ({mqtt!r}): one name per box")
+    name = mqtt or remote
+    if not name or (mqtt and remote):
+        return cfg
+    return dataclasses.replace(
+        cfg, remote=dataclasses.replace(cfg.remote, box_id=name),
+        agent=dataclasses.replace(cfg.agent, mqtt=dataclasses.replace(cfg.agent.mqtt,
+                                                                      box_id=name)))
 
 
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:

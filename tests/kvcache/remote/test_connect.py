@@ -100,6 +100,7 @@ def test_password_from_a_file_or_a_systemd_credential(tmp_path: Path) -> None:
     ('[remote]\nurl = "redis://h/0"\npassword_file = "/p"\npassword_credential = "c"',
      "remote.password_credential"),
     ('[remote]\nurl = "redis://h/0"\nbox_id = "a b"', "remote.box_id"),
+    ('[remote]\nurl = "redis://h/0"\nbox_id = "edge:7"', "remote.box_id"),
     ('[remote]\nurl = "redis://h/0"\nread_timeout_s = 0', "remote.read_timeout_s"),
 ])
 def test_bad_remote_config_names_the_field(tmp_path: Path, text: str, path: str) -> None:
