@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     fig["peak_rss_mib"] = runs.peak_rss_mib()
     print(f"\npeak RSS {fig['peak_rss_mib']:.0f} MiB")
-    cmd = "python -m bench.batch" + (" --quick" if q else "")
+    cmd = " ".join(["python -m bench.batch", *(sys.argv[1:] if argv is None else argv)])
     write_result(Result("batch", cmd, fig, goals(fig, args)))
     return 0
 

@@ -175,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  withheld ({cat}), e.g.: {ex[0]['note'][:150]}")
     for ex in res["examples_shown"][:3]:
         print(f"  shown ({ex['fault']}): {ex['text'][:150]}")
-    cmd = "python -m bench.commentary" + (" --quick" if args.quick else "") + \
-        (f" --model-dir {args.model_dir}" if args.model_dir else "")
+    cmd = " ".join(["python -m bench.commentary", *(sys.argv[1:] if argv is None else argv)])
     res["model"] = loaded.name
     write_result(Result("commentary", cmd, res, []))
     return 0

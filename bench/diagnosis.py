@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     goals += [Goal(f"simulator {k} recall", round(v["recall"], 4), ">=", 0.9)
               for k, v in sim.items()]
-    cmd = "python -m bench.diagnosis" + (" --quick" if args.quick else "")
+    cmd = " ".join(["python -m bench.diagnosis", *(sys.argv[1:] if argv is None else argv)])
     write_result(Result("diagnosis", cmd, {"cwru": real, "wrong_rates": rates,
                                            "simulator": sim, "noise": null}, goals))
     return 0
