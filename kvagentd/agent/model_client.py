@@ -92,7 +92,7 @@ class ModelClient:
         deadline = max(0.05, cfg.tick_interval_s * (1.0 - TICK_MARGIN) - elapsed)
         req = GenerationRequest(session=session, text=text, system=system,
                                 max_new_tokens=cfg.assessment_max_tokens, priority=Priority.TICK,
-                                deadline_s=deadline)
+                                deadline_s=deadline, one_sentence=True)
         try:
             job = cast(GenerationJob, self.beat.submit(req))
         except QueueFull:

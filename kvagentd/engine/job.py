@@ -33,6 +33,7 @@ class GenerationRequest:
     max_new_tokens: int = 64
     priority: Priority = Priority.ASK
     deadline_s: float | None = None  # seconds from submit; None = the executor default
+    one_sentence: bool = False  # end at the first sentence's end (`sequence.sentence_end`)
 
 
 class JobState(enum.Enum):

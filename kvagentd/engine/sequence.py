@@ -8,6 +8,7 @@ drops the KV but keeps the ids, so a resumed sequence continues exactly where it
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,18 @@ from kvagentd.engine.sessions import ChatFormat, Session
 
 if TYPE_CHECKING:
     from kvagentd.engine.job import Job, Priority
+
+
+_SENTENCE_END = re.compile(r"(?<![0-9])[.!?](?=\s|$)|[.!?](?=\s)")
+
+
+def sentence_end(text: str) -> int | None:
+    """Where the first sentence of `text` ends (the index after its `.`, `!` or `?`), or None
+    while it has not ended. A full stop ends a sentence when whitespace follows it, or, at the
+    very end of the text, when it does not follow a digit (so "0.9" is still a number that
+    may go on, while "zone A." has ended)."""
+    m = _SENTENCE_END.search(text.lstrip())
+    return None if m is None else m.end() + len(text) - len(text.lstrip())
 
 
 @dataclass(slots=True)
@@ -139,12 +152,22 @@ class Sequence:
         if token in chat.stop_ids:
             return "stop"
         text = tokenizer.decode(self.generated, skip_special_tokens=True)
+        end = sentence_end(text) if self.job.request.one_sentence else None
+        if end is not None:
+            text = text[:end]
         if text.startswith(self._shown) and len(text) > len(self._shown):
             self.job.emit(text[len(self._shown):])
             self._shown = text
+        if end is not None:
+            return "stop"
         if self.remaining_new == 0:
             return "length"
         return None
 
     def final_text(self, tokenizer: Any) -> str:
-        return str(tokenizer.decode(self.generated, skip_special_tokens=True))
+        """The generated text; for a one-sentence request, up to the end of that sentence (the
+        token that showed the end may carry the next word's start: its ids stay in the
+        session, so the session's ids and KV agree, but it is not shown)."""
+        text = str(tokenizer.decode(self.generated, skip_special_tokens=True))
+        end = sentence_end(text) if self.job.request.one_sentence else None
+        return text if end is None else text[:end]

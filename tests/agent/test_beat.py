@@ -116,5 +116,6 @@ def test_every_asset_ticks_in_one_beat_with_its_interval_as_deadline(tmp_path, s
         assert {r.session.rsplit("-", 1)[0] for r in ex.requests} == set(names)
         # the turn ends with the tick's interval (less the margin for the last step)
         assert all(0.0 < r.deadline_s <= 2.0 * 0.9 for r in ex.requests)
+        assert all(r.one_sentence for r in ex.requests)  # a tick's commentary: one sentence
     finally:
         ag.stop()

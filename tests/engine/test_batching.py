@@ -16,6 +16,7 @@ import pytest
 from kvagentd.config import ExecutorConfig
 from kvagentd.engine.executor import GenerationRequest, HotPoolFull, Job, Priority
 from kvagentd.engine.model import LoadedModel
+from kvagentd.engine import sequence
 from kvagentd.engine.sequence import GenerationResult
 from kvagentd.engine.service import Engine
 from kvagentd.kvcache.base import Tier
@@ -262,3 +263,38 @@ def test_batch_memory_budget_bounds_the_batch(tiny: LoadedModel, tmp_path: Path)
     finally:
         eng.stop()
         store.close()  # type: ignore[attr-defined]
+
+
+def test_a_one_sentence_request_ends_with_its_sentence(engine: Engine,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    alone = _alone(engine, "a")[0]
+    full = _tail(engine, "a0", alone)
+    assert len(alone.text) >= 3
+    # a sentence "ends" once the text has 3 characters: the request stops at that token, shows
+    # the text up to there, and keeps the ids it generated (its KV and ids agree)
+    monkeypatch.setattr(sequence, "sentence_end", lambda t: 3 if len(t) >= 3 else None)
+    others = [engine.submit(GenerationRequest(f"c{i}", QUESTIONS[i], SYSTEM, N))
+              for i in (1, 2)]
+    r = engine.submit(GenerationRequest("b0", QUESTIONS[0], SYSTEM, N, Priority.TICK,
+                                        one_sentence=True)).result(120)
+    cut = next(k for k in range(1, len(full) + 1)
+               if len(engine.loaded.tokenizer.decode(full[:k], skip_special_tokens=True)) >= 3)
+    assert r.finish_reason == "stop" and r.text == alone.text[:3]
+    assert _tail(engine, "b0", r) == full[:cut] and r.new_tokens == cut
+    for j in others:
+        assert j.result(120).finish_reason in ("stop", "length")
+    engine.store.check_integrity()
+
+
+@pytest.mark.parametrize("text,end", [
+    ("No fault: RMS 0.9 mm/s in zone A; no action.", 44),
+    ("  Outer race defect. Plan", 20),
+    ("BPFO 8.1x the floor! next", 20),
+    ("Why? Because", 4),
+    ("RMS 0.9", None),
+    ("RMS 0.9.", None),  # a digit before a final full stop: the number may go on
+    ("zone A", None),
+    ("", None),
+])
+def test_sentence_end(text: str, end: int | None) -> None:
+    assert sequence.sentence_end(text) == end
