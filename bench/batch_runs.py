@@ -117,6 +117,7 @@ def sessions(lm: LoadedModel, root: Path, n: int, hist: tuple[int, int], new: in
         for i, length in enumerate(lengths):  # setup: store every history's blocks (not timed)
             eng.table.save(Session(f"s{i}", history_ids(lm.tokenizer, length, i)))
             eng.ask(f"s{i}", None, max_new_tokens=1)
+        decode_all(eng)
         log = StepLog(eng)
         res, wall = run_jobs(lambda: [eng.submit(GenerationRequest(
             f"s{i}", QUESTION, None, new, Priority.TICK)) for i in range(n)])
@@ -124,6 +125,13 @@ def sessions(lm: LoadedModel, root: Path, n: int, hist: tuple[int, int], new: in
     return {"sessions": n, "history": lengths, "max_batch": max_batch, "generated": gen,
             "wall_s": wall, "tok_s": gen / wall, "texts": [r.text for r in res],
             "ttft_p50_s": statistics.median(r.ttft_s for r in res), **log.figures()}
+
+
+def decode_all(eng: Engine) -> None:
+    """Throughput runs decode exactly the tokens asked for, whatever the model would stop at
+    (transformers: `min_new_tokens`, and no end token for `generate_batch`), so every path
+    does the same work; the greedy tokens up to a stop are unchanged."""
+    eng.chat.stop_ids = frozenset()
 
 
 def chat_prompts(tok: Any, n: int, length: int) -> list[list[int]]:
@@ -144,6 +152,7 @@ def fresh_engine(lm: LoadedModel, root: Path, prompts: list[list[int]], new: int
     with engine_for(lm, root, hot_tokens=total, max_batch=max_batch) as (eng, _):
         for i, p in enumerate(prompts):
             eng.table.save(Session(f"p{i}", p))
+        decode_all(eng)
         log = StepLog(eng)
         res, wall = run_jobs(lambda: [eng.submit(GenerationRequest(
             f"p{i}", None, None, new, Priority.TICK)) for i in range(len(prompts))])
@@ -167,11 +176,9 @@ def hf_generate(lm: LoadedModel, prompts: list[list[int]], new: int) -> dict[str
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                             do_sample=False, pad_token_id=pad)
+                             min_new_tokens=new, do_sample=False, pad_token_id=pad)
     wall = time.perf_counter() - t0
-    gen = 0
-    for row in out[:, width:].tolist():
-        gen += next((k + 1 for k, t in enumerate(row) if t == tok.eos_token_id), len(row))
+    gen = int(out[:, width:].numel())  # min_new_tokens: every row decodes `new` tokens
     return {"generated": gen, "wall_s": wall, "tok_s": gen / wall}
 
 
@@ -184,7 +191,7 @@ def hf_generate_batch(lm: LoadedModel, prompts: list[list[int]], new: int) -> di
     model.set_attn_implementation("sdpa")
     page = 64
     blocks = sum(-(-(len(p) + new) // page) for p in prompts) + 4
-    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=tok.eos_token_id,
+    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1,  # -1: no stop
                            pad_token_id=tok.pad_token_id or 0)
     cb = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=256, page_size=page)
     t0 = time.perf_counter()
