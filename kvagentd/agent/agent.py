@@ -286,6 +286,10 @@ class Agent:
         st.account(done, self.clock())
         if done.error is not None:
             return None, False, done.error
+        if done.result is not None and done.result.finish_reason == "deadline":
+            # a sentence cut off by the tick's deadline is a fragment, not a commentary
+            return None, False, (f"commentary cut at the tick's deadline after "
+                                 f"{done.result.new_tokens} tokens (not shown)")
         st.commentaries += 1
         verdict = grounding.check(done.text, d, text)
         if not verdict.ok:

@@ -36,6 +36,7 @@ class FakeExecutor:
         self.fail_next: BaseException | None = None
         self.full = False
         self.answer = "Condition normal, no action needed."
+        self.finish_reason = "stop"
         self.lock = threading.Lock()
         self.beats: list[int] = []  # sizes of the submit_all calls
 
@@ -55,7 +56,8 @@ class FakeExecutor:
             new = len(answer.split())
             self.sessions[req.session] = prompt + new
         return FakeJob(GenerationResult(req.session, answer, new_tokens=new, prompt_tokens=prompt,
-                                        reused_tokens=prior, recomputed_tokens=prompt - prior))
+                                        reused_tokens=prior, recomputed_tokens=prompt - prior,
+                                        finish_reason=self.finish_reason))
 
     def submit_all(self, reqs: list[GenerationRequest]) -> list[FakeJob | QueueFull]:
         self.beats.append(len(reqs))

@@ -218,6 +218,19 @@ def test_status_reports_per_asset_figures(tmp_path, fake_executor, scheduler, cl
     assert len(ag.events.query(anomalies=True)) == 3
 
 
+def test_commentary_cut_at_the_deadline_is_not_shown(tmp_path, fake_executor, scheduler,
+                                                      clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    fake_executor.answer, fake_executor.finish_reason = "No fault: RMS", "deadline"
+    row = ag.tick_once("pump-1")
+    assert row["assessment"] is None and not row["withheld"]
+    assert row["note"] == "commentary cut at the tick's deadline after 3 tokens (not shown)"
+    assert row["fault"] == "none" and row["zone"] == "A"  # the measurement is there all the same
+    clock.advance(3)
+    fake_executor.answer, fake_executor.finish_reason = "No fault: no action.", "stop"
+    assert ag.tick_once("pump-1")["assessment"] == "No fault: no action."
+
+
 def test_commentary_that_contradicts_the_diagnosis_is_withheld(tmp_path, fake_executor,
                                                              scheduler, clock):
     ag = make_agent(tmp_path, fake_executor, scheduler, clock, assets=(
