@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import Goal, Result, print_table, write_result
+from bench.common import Goal, Result, add_agent_run_options, print_table, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,14 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--interval", type=float, default=3.0)
     p.add_argument("--runs", default="a,b,c")
-    p.add_argument("--assessment-tokens", type=int, default=24)
+    add_agent_run_options(p)
     p.add_argument("--report-tokens", type=int, default=200)
-    p.add_argument("--session-budget", type=int, default=1536)
-    p.add_argument("--block-tokens", type=int, default=16)
-    p.add_argument("--hot-mib", type=int, default=256)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
-    p.add_argument("--o-direct", action="store_true")
     p.add_argument("--result-name", default="agent", help="bench/results/NAME.json")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

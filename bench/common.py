@@ -6,6 +6,7 @@ a table and writes `bench/results/NAME.json` via `write_result`.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -50,6 +51,18 @@ class Result:
     command: str
     figures: dict[str, Any] = field(default_factory=dict)
     goals: list[Goal] = field(default_factory=list)
+
+
+def add_agent_run_options(p: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that runs the agent on the embedded model (store sizes,
+    model precision and threads, the agent's token limits)."""
+    p.add_argument("--assessment-tokens", type=int, default=24)
+    p.add_argument("--session-budget", type=int, default=1536)
+    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--hot-mib", type=int, default=256)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
+    p.add_argument("--o-direct", action="store_true")
 
 
 def timeit(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1) -> float:

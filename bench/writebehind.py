@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import Goal, Result, print_table, write_result
+from bench.common import Goal, Result, add_agent_run_options, print_table, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,13 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=3.0, help="tick interval, s")
     p.add_argument("--wb-interval", type=float, default=30.0, help="write-behind interval, s")
     p.add_argument("--wb-rate", type=int, default=64 << 20, help="write-behind bytes/s")
-    p.add_argument("--assessment-tokens", type=int, default=24)
-    p.add_argument("--session-budget", type=int, default=1536)
-    p.add_argument("--block-tokens", type=int, default=16)
-    p.add_argument("--hot-mib", type=int, default=256)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
-    p.add_argument("--o-direct", action="store_true")
+    add_agent_run_options(p)
     args = p.parse_args(argv)
     if args.quick:
         args.pairs, args.minutes, args.interval, args.wb_interval = 1, 1 / 3, 1.0, 2.0
