@@ -124,8 +124,32 @@ def make_client(spec: RemoteSpec, timeout_s: float) -> Any:
     if spec.cluster:
         from redis.cluster import RedisCluster
 
+        # NOTE: RedisCluster passes no command packer to its nodes' connections
         return RedisCluster.from_url(spec.url, **kw)
+    packer = command_packer()
+    if packer is not None:
+        kw["command_packer"] = packer
     return redis.Redis.from_url(spec.url, **kw)
+
+
+def command_packer() -> Any | None:
+    """redis-py's Python command packer, for a client whose replies hiredis parses.
+
+    With hiredis installed (the `remote` extra installs it), redis-py parses replies with it,
+    3x faster GETs of 0.7 MB records than its Python parser on this machine, but also packs
+    commands with it, which copies every value into one new buffer: SETs of the same records
+    were 4x slower. The Python packer hands large values to the socket as they are. None where
+    this redis-py lacks it (its default packer is used)."""
+    try:
+        from redis._parsers import Encoder
+        from redis.connection import PythonRespSerializer
+    except ImportError:
+        return None
+    encoder = Encoder("utf-8", "strict", False)  # type: ignore[no-untyped-call]
+    return PythonRespSerializer(PACK_BUFFER_CUTOFF, encoder.encode)
+
+
+PACK_BUFFER_CUTOFF = 6000  # redis-py's own: values longer than this are sent unjoined
 
 
 def _faults() -> tuple[type[BaseException], ...]:

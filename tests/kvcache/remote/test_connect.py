@@ -110,3 +110,28 @@ def test_bad_remote_config_names_the_field(tmp_path: Path, text: str, path: str)
         load_config(p, env={})
     assert exc.value.path == path
     assert "secret" not in str(exc.value)
+
+
+def test_replies_parsed_by_hiredis_and_large_values_sent_unjoined(rdir: Path) -> None:
+    """The remote extra installs hiredis (reply parsing); commands keep redis-py's Python
+    packer, which sends a large value as it is; a record's bytes round-trip either way."""
+    import redis.utils
+    from redis.connection import PythonRespSerializer
+
+    from kvagentd.kvcache.remote import make_client
+
+    assert redis.utils.HIREDIS_AVAILABLE, "pip install 'kvagentd[remote]' installs hiredis"
+    for server in redis_fixture(rdir / "redis"):
+        client = make_client(spec_for(server), 2.0)
+        try:
+            packer = client.connection_pool.connection_kwargs["command_packer"]
+            assert isinstance(packer, PythonRespSerializer)
+            value = bytearray(range(256)) * 4096  # 1 MiB, past the cutoff
+            chunks = packer.pack("SET", "k", value)
+            assert any(c is value for c in chunks)  # not copied into a joined buffer
+            pipe = client.pipeline(transaction=False)
+            pipe.set("k", value)
+            pipe.get("k")
+            assert pipe.execute()[1] == bytes(value)
+        finally:
+            client.close()
