@@ -49,7 +49,8 @@ class RemoteStore:
         self.counters = dict(offered=0, queued=0, already_sent=0, no_room=0)
         self.reads = dict(lookups=0, lookup_keys=0, lookup_found=0, remote_reads=0,
                           remote_hits=0, remote_missing=0, remote_corrupt=0,
-                          remote_unavailable=0, filled_local=0)
+                          remote_unavailable=0, filled_local=0, fill_skipped=0,
+                          fill_failed=0)
 
     @property
     def ttl(self) -> int:

@@ -11,8 +11,9 @@ a local miss) and `offer` (blocks just computed, which may never reach the cold 
 written behind at once, so a box that dies loses nothing another box needs).
 
 - reads: the local cold tier first; what it does not hold is read from the remote (pipelined
-  GETEX, which also refreshes the key's TTL), verified, and written to the local cold tier, so
-  the next read is local and the block survives a restart of this box.
+  GETEX, which also refreshes the key's TTL) and verified. The records read are then written to the local cold
+  tier behind the request (`LocalFill`), so a later read is local and the block survives a
+  restart of this box; until then (and if this box stops first) the remote still holds them.
 - writes: `put_many` stores locally and queues the records for the remote; `offer` queues only.
   Blocks recently sent are not sent again (see `RemoteStore.publish_blocks`).
 - nothing is deleted from the remote by this box: other boxes may rely on a record; keys
@@ -31,6 +32,8 @@ import structlog
 import torch
 
 from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdEntry, ColdTier, VerifyProgress
+from kvagentd.kvcache.remote.fill import LocalFill
+from kvagentd.kvcache.remote.link import Reply
 from kvagentd.kvcache.remote.store import RemoteStore
 
 log = structlog.get_logger(__name__)
@@ -47,6 +50,7 @@ class RemoteColdTier:
             raise ValueError("the cold tier and the remote store hold different namespaces")
         self.local = local
         self.remote = remote
+        self.fill = LocalFill(local, remote.records, remote.count)
 
     # -- what only this tier does ------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -91,50 +95,59 @@ class RemoteColdTier:
                 ok[i] = g
         rest = [i for i in range(len(keys)) if not ok[i]]
         if rest:
-            got = self.read_remote([keys[i] for i in rest], [outs[i] for i in rest])
-            fill = [i for i, g in zip(rest, got) if g]
-            for i in fill:
-                ok[i] = True
-            if fill and not self.local.read_only:
-                stored = self.local.put_many([keys[i] for i in fill], [outs[i] for i in fill])
-                self.remote.count("filled_local", sum(stored))
+            served: list[tuple[BlockKey, bytes]] = []
+            got = self.read_remote([keys[i] for i in rest], [outs[i] for i in rest], served)
+            for i, g in zip(rest, got):
+                ok[i] = ok[i] or g
+            if served and not self.local.read_only:
+                self.fill.submit(served)
         return ok
 
-    def read_remote(self, keys: list[BlockKey], outs: list[torch.Tensor]) -> list[bool]:
+    def read_remote(self, keys: list[BlockKey], outs: list[torch.Tensor],
+                    served: list[tuple[BlockKey, bytes]] | None = None) -> list[bool]:
         """Read, verify and decode records from the remote only (batched, pipelined GETEX);
-        True per record served into its `outs` tensor."""
+        True per record served into its `outs` tensor. `served` collects (key, record) of
+        every record served."""
         ok = [False] * len(keys)
         per = max(1, READ_BATCH_BYTES // self.remote.records.length)
         for s in range(0, len(keys), per):
             part = range(s, min(len(keys), s + per))
-            names = [self.remote.names.block(keys[i]) for i in part]
-            ttl = self.remote.ttl
-
-            def getex(client: Any, names: list[str] = names, ttl: int = ttl) -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for name in names:
-                    pipe.getex(name, ex=ttl)
-                return list(pipe.execute())
-
-            self.remote.count("remote_reads", len(names))
-            reply = self.remote.link.read(getex)
+            reply = self._fetch(keys, part)
             if not reply.ok or reply.value is None:
                 self.remote.count("remote_unavailable", len(keys) - s)
                 return ok
             for i, value in zip(part, reply.value):
-                if value is None:
-                    self.remote.count("remote_missing")
-                    continue
-                why = self.remote.records.decode_into(keys[i], value, outs[i])
-                if why is None:
-                    ok[i] = True
-                    self.remote.count("remote_hits")
-                    continue
-                self.remote.count("remote_corrupt")
-                self.remote.forget_sent([keys[i]])
-                self.remote.noted(f"corrupt remote record {keys[i].hex()} ({why})")
-                log.error("remote_checksum_failed", key=keys[i].hex(), reason=why)
+                ok[i] = self._serve(keys[i], value, outs[i])
+                if ok[i] and served is not None:
+                    served.append((keys[i], value))
         return ok
+
+    def _fetch(self, keys: list[BlockKey], part: range) -> Reply[list[Any]]:
+        names = [self.remote.names.block(keys[i]) for i in part]
+        ttl = self.remote.ttl
+
+        def getex(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.getex(name, ex=ttl)
+            return list(pipe.execute())
+
+        self.remote.count("remote_reads", len(names))
+        return self.remote.link.read(getex)
+
+    def _serve(self, key: BlockKey, value: bytes | None, out: torch.Tensor) -> bool:
+        if value is None:
+            self.remote.count("remote_missing")
+            return False
+        why = self.remote.records.decode_into(key, value, out)
+        if why is None:
+            self.remote.count("remote_hits")
+            return True
+        self.remote.count("remote_corrupt")
+        self.remote.forget_sent([key])
+        self.remote.noted(f"corrupt remote record {key.hex()} ({why})")
+        log.error("remote_checksum_failed", key=key.hex(), reason=why)
+        return False
 
     def contains(self, key: BlockKey) -> bool:
         return self.local.contains(key)
@@ -207,10 +220,12 @@ class RemoteColdTier:
         return self.local.compact(min_dead_ratio)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.local.stats(), "remote": self.remote.status()}
+        return {**self.local.stats(),
+                "remote": {**self.remote.status(), "fill_pending_bytes": self.fill.pending()}}
 
     def close(self) -> None:
         try:
+            self.fill.close()
             self.remote.close()
         finally:
             self.local.close()

@@ -3,6 +3,7 @@ verified and kept locally on another; bad records are refused; faults never bloc
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -39,9 +40,12 @@ def test_blocks_computed_on_one_box_are_read_verified_and_kept_on_another(
             assert torch.equal(arena[slot], want)
         b.store.release("s2")
         b.store.check_integrity()
-        # the records are now local too: B no longer needs the remote for them
+        # the records are now local too (written behind the request): B no longer needs the
+        # remote for them
+        assert b.tier.fill.flush(10.0)
         assert all(b.tier.local.contains(k) for k in keys)
-        assert b.remote.status()["reads"]["remote_hits"] == 5
+        reads = b.remote.status()["reads"]
+        assert reads["remote_hits"] == 5 and reads["filled_local"] == 5
     finally:
         a.close()
         b.close()
@@ -196,5 +200,104 @@ def test_store_lists_remote_blocks_as_cold_and_evicts_nothing_remote(
         with redis.client() as r:  # another box may still need them
             assert all(r.exists(a.remote.names.block(k)) for k in keys)
     finally:
+        a.close()
+        b.close()
+
+
+def test_a_remote_read_does_not_wait_for_the_local_copy(rdir: Path, redis: RedisServer,
+                                                       monkeypatch) -> None:
+    """The local cold copy of blocks read from the remote is written behind the request: a
+    resume is served while that write is still held up, and the copy lands afterwards."""
+    a = make_box(rdir / "a", spec_for(redis))
+    b = make_box(rdir / "b", spec_for(redis))
+    gate = threading.Event()
+    put_many = b.tier.local.put_many
+
+    def slow_put_many(*args, **kw):
+        assert gate.wait(30.0)
+        return put_many(*args, **kw)
+
+    monkeypatch.setattr(b.tier.local, "put_many", slow_put_many)
+    try:
+        keys = compute(a, "s", IDS)
+        _flush(a)
+        res = b.store.ensure_resident(b.store.match_prefix(IDS).keys, "s2")
+        assert res.missing_from is None and len(res.slots) == 5
+        for slot, want in zip(res.slots, expected(IDS)):
+            assert torch.equal(b.store.hot_arena()[slot], want)
+        b.store.release("s2")
+        assert not any(b.tier.local.contains(k) for k in keys)  # not yet written
+        assert b.tier.fill.pending() == 5 * b.remote.records.length
+        gate.set()
+        assert b.tier.fill.flush(10.0)
+        assert all(b.tier.local.contains(k) for k in keys)
+        assert b.remote.status()["reads"]["filled_local"] == 5
+        assert b.tier.fill.pending() == 0
+    finally:
+        gate.set()
+        a.close()
+        b.close()
+
+
+def test_a_read_in_several_batches_serves_every_block_and_refuses_a_bad_one(
+        rdir: Path, redis: RedisServer, monkeypatch) -> None:
+    """A read larger than one pipelined batch: each record is checked and served into its
+    own tensor, in order, and a bad one in a later batch is refused."""
+    import kvagentd.kvcache.remote.tier as tiermod
+
+    a = make_box(rdir / "a", spec_for(redis))
+    b = make_box(rdir / "b", spec_for(redis))
+    monkeypatch.setattr(tiermod, "READ_BATCH_BYTES", 2 * b.remote.records.length)
+    try:
+        keys = compute(a, "s", IDS)
+        _flush(a)
+        with redis.client() as r:
+            name = a.remote.names.block(keys[3])  # in the second batch of three
+            value = bytearray(r.get(name))
+            value[-50] ^= 0x01
+            r.set(name, bytes(value))
+        reads_before = b.remote.link.counters["reads"]
+        outs = [torch.zeros(GEOM.block_shape) for _ in keys]
+        served: list[tuple[bytes, bytes]] = []
+        ok = b.tier.read_remote(list(keys), outs, served)
+        assert ok == [True, True, True, False, True]
+        assert b.remote.link.counters["reads"] - reads_before == 3
+        want = expected(IDS)
+        for i in (0, 1, 2, 4):
+            assert torch.equal(outs[i], want[i])
+        assert [k for k, _ in served] == [keys[i] for i in (0, 1, 2, 4)]
+        assert b.remote.status()["reads"]["remote_corrupt"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_local_copy_is_bounded_and_what_does_not_fit_stays_remote(
+        rdir: Path, redis: RedisServer, monkeypatch) -> None:
+    a = make_box(rdir / "a", spec_for(redis))
+    b = make_box(rdir / "b", spec_for(redis))
+    gate = threading.Event()
+    put_many = b.tier.local.put_many
+    monkeypatch.setattr(b.tier.local, "put_many",
+                        lambda *args, **kw: gate.wait(30.0) and put_many(*args, **kw))
+    b.tier.fill.budget_bytes = 2 * b.remote.records.length
+    try:
+        keys = compute(a, "s", IDS)
+        _flush(a)
+        outs = [torch.zeros(GEOM.block_shape) for _ in keys]
+        assert b.tier.read_into(keys, outs) == [True] * 5
+        reads = b.remote.status()["reads"]
+        assert reads["fill_skipped"] == 3  # past the budget: not queued
+        gate.set()
+        assert b.tier.fill.flush(10.0)
+        assert [b.tier.local.contains(k) for k in keys] == [True, True, False, False, False]
+        # the next read takes the two local ones from disk, the other three from the remote
+        hits = b.remote.status()["reads"]["remote_hits"]
+        outs = [torch.zeros(GEOM.block_shape) for _ in keys]
+        assert b.tier.read_into(keys, outs) == [True] * 5
+        assert b.remote.status()["reads"]["remote_hits"] == hits + 3
+        assert all(torch.equal(o, w) for o, w in zip(outs, expected(IDS)))
+    finally:
+        gate.set()
         a.close()
         b.close()
