@@ -83,13 +83,58 @@ class Server:
 
 # -- 1. throughput ------------------------------------------------------------------------------
 
+def _tier_write(client: Any, remote: Any, keys: list[bytes], blocks: torch.Tensor) -> float:
+    client.flushall()
+    t = time.perf_counter()
+    remote.publish_blocks(keys, list(blocks))
+    assert remote.writer.flush(600.0)
+    return time.perf_counter() - t
+
+
+def _plain_set(client: Any, names: list[str], values: list[bytes], ttl: int) -> float:
+    from kvagentd.kvcache.remote.writer import BATCH_BYTES
+
+    per = max(1, BATCH_BYTES // len(values[0]))
+    client.flushall()
+    t = time.perf_counter()
+    for s in range(0, len(names), per):
+        pipe = client.pipeline(transaction=False)
+        for name, v in zip(names[s:s + per], values[s:s + per]):
+            pipe.set(name, v, ex=ttl)
+        pipe.execute()
+    return time.perf_counter() - t
+
+
+def _tier_read(tier: Any, keys: list[bytes], blocks: torch.Tensor, outs: torch.Tensor) -> float:
+    outs.zero_()
+    t = time.perf_counter()
+    ok = tier.read_remote(list(keys), list(outs))
+    dt = time.perf_counter() - t
+    assert all(ok) and torch.equal(outs, blocks)
+    return dt
+
+
+def _plain_get(client: Any, names: list[str], values: list[bytes]) -> float:
+    from kvagentd.kvcache.remote.tier import READ_BATCH_BYTES
+
+    per = max(1, READ_BATCH_BYTES // len(values[0]))
+    t = time.perf_counter()
+    got = 0
+    for s in range(0, len(names), per):
+        pipe = client.pipeline(transaction=False)
+        for name in names[s:s + per]:
+            pipe.get(name)
+        got += sum(len(v) for v in pipe.execute())
+    dt = time.perf_counter() - t
+    assert got == sum(len(v) for v in values)
+    return dt
+
+
 def throughput(url: str, n_blocks: int, reps: int) -> dict[str, Any]:
     from kvagentd.kvcache.base import KVGeometry
     from kvagentd.kvcache.cold import ColdTierSpec, build_cold_tier
     from kvagentd.kvcache.keys import block_keys, make_namespace
     from kvagentd.kvcache.remote import RemoteColdTier, RemoteSpec, RemoteStore, make_client
-    from kvagentd.kvcache.remote.tier import READ_BATCH_BYTES
-    from kvagentd.kvcache.remote.writer import BATCH_BYTES
 
     geo = KVGeometry(30, 3, 64, 16, torch.float32)
     spec = RemoteSpec(url=url, write_rate_bytes_per_s=1 << 40, write_queue_bytes=4 << 30,
@@ -109,38 +154,20 @@ def throughput(url: str, n_blocks: int, reps: int) -> dict[str, Any]:
         for rep in range(reps + 1):  # the first round warms up (record buffers, connections)
             keys = block_keys(ns, list(range(rep * n_blocks * 16, (rep + 1) * n_blocks * 16)), 16)
             client.flushall()
-            t = time.perf_counter()
-            remote.publish_blocks(keys, list(blocks))
-            assert remote.writer.flush(600.0)
-            t_write = time.perf_counter() - t
-
             values = [bytes(remote.records.encode(k, b)) for k, b in zip(keys, blocks)]
             names = [remote.names.block(k) for k in keys]
-            per_set = max(1, BATCH_BYTES // len(values[0]))
-            client.flushall()
-            t = time.perf_counter()
-            for s in range(0, n_blocks, per_set):
-                pipe = client.pipeline(transaction=False)
-                for name, v in zip(names[s:s + per_set], values[s:s + per_set]):
-                    pipe.set(name, v, ex=remote.ttl)
-                pipe.execute()
-            t_set = time.perf_counter() - t
-
-            t = time.perf_counter()
-            ok = tier.read_remote(list(keys), list(outs))
-            t_read = time.perf_counter() - t
-            assert all(ok) and torch.equal(outs, blocks)
-
-            per_get = max(1, READ_BATCH_BYTES // len(values[0]))
-            t = time.perf_counter()
-            got = 0
-            for s in range(0, n_blocks, per_get):
-                pipe = client.pipeline(transaction=False)
-                for name in names[s:s + per_get]:
-                    pipe.get(name)
-                got += sum(len(v) for v in pipe.execute())
-            t_get = time.perf_counter() - t
-            assert got == sum(len(v) for v in values)
+            # the order alternates each round: whichever goes second may find the server's
+            # memory (or this process's allocator) warmer
+            if rep % 2:
+                t_set = _plain_set(client, names, values, remote.ttl)
+                t_write = _tier_write(client, remote, keys, blocks)
+                t_get = _plain_get(client, names, values)
+                t_read = _tier_read(tier, keys, blocks, outs)
+            else:
+                t_write = _tier_write(client, remote, keys, blocks)
+                t_set = _plain_set(client, names, values, remote.ttl)
+                t_read = _tier_read(tier, keys, blocks, outs)
+                t_get = _plain_get(client, names, values)
             if rep:
                 for k, v in (("tier_write", t_write), ("plain_set", t_set), ("tier_read", t_read),
                              ("plain_get", t_get)):
@@ -316,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url or server.url  # type: ignore[union-attr]
     model = "tiny" if args.quick else "smollm2"
     try:
-        tp = throughput(url, 16 if args.quick else 128, 1 if args.quick else 5)
+        tp = throughput(url, 16 if args.quick else 128, 2 if args.quick else 6)
         print_table(["path", "tier s", "plain s", "tier MB/s", "plain MB/s", "ratio"], [
             ["write", tp["tier_write_s"], tp["plain_set_s"], tp["tier_write_MBps"],
              tp["plain_set_MBps"], tp["write_ratio"]],
