@@ -205,7 +205,10 @@ def build_tiers(config: Config, geometry: KVGeometry, namespace: bytes,
     from kvagentd.kvcache.remote import RemoteColdTier
     from kvagentd.kvcache.store import TieredKVStore
 
+    import torch
+
     spec = cold_tier_spec(config)
+    check_host_memory(config, torch.device(device))
     if remote is None:
         remote = build_remote(config, geometry, namespace)
     built: list[FailoverColdStore] = []
@@ -220,6 +223,24 @@ def build_tiers(config: Config, geometry: KVGeometry, namespace: bytes,
                           persist_on_shutdown=config.kv.persist_on_shutdown,
                           write_behind=write_behind_policy(config))
     return Tiers(store, built[0])
+
+
+def check_host_memory(config: Config, device: torch.device,
+                      available: int | None = None) -> None:
+    """The host arenas (warm, and hot when it is on the CPU) are taken at start: a budget that
+    does not fit in the memory available now is a ConfigError naming the field, not an OOM kill
+    while they are touched (or days later)."""
+    import psutil
+
+    need = config.warm_bytes + (int(config.kv.hot_bytes) if device.type == "cpu" else 0)
+    have = psutil.virtual_memory().available if available is None else available
+    if need > have:
+        field = "kv.hot_bytes" if device.type == "cpu" else "kv.warm_ratio"
+        raise ConfigError(field, str(config.kv.hot_bytes) if device.type == "cpu"
+                          else config.kv.warm_ratio,
+                          f"host KV arenas (hot on {device.type} + warm) that fit in the "
+                          f"{have / 2**30:.1f} GiB of memory available now; they need "
+                          f"{need / 2**30:.1f} GiB")
 
 
 def write_behind_policy(config: Config) -> WriteBehindPolicy:

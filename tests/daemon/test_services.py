@@ -240,3 +240,21 @@ def test_watchdog_pings_only_while_the_loop_and_its_threads_live(tmp: Path) -> N
         loop.join(10)
         d.shutdown()
         listener.close()
+
+
+def test_host_arenas_that_do_not_fit_in_memory_are_a_config_error(tmp: Path) -> None:
+    """The host arenas are taken at start, so a budget larger than the memory available now
+    is refused with the field named (no allocation is tried)."""
+    import torch
+
+    from kvagentd.config import ConfigError
+    from kvagentd.services import check_host_memory
+
+    cfg = load_config(None)  # hot 18 GB (meant for a GPU), warm 35 % of it
+    with pytest.raises(ConfigError, match=r"kv\.hot_bytes.*need 22\.\d GiB"):
+        check_host_memory(cfg, torch.device("cpu"), available=16 << 30)
+    check_host_memory(cfg, torch.device("cpu"), available=32 << 30)
+    # with the hot tier on a GPU only the warm tier is host memory
+    check_host_memory(cfg, torch.device("cuda"), available=8 << 30)
+    with pytest.raises(ConfigError, match=r"kv\.warm_ratio"):
+        check_host_memory(cfg, torch.device("cuda"), available=4 << 30)

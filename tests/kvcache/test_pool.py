@@ -65,3 +65,18 @@ def test_random_alloc_free_keeps_integrity(ops):
             held = held[n:]
         p.check_integrity()
         assert p.num_used == len(held)
+
+
+def test_a_host_arena_is_taken_at_creation() -> None:
+    """Host pools touch their pages when created (as pinned memory is taken at once): the
+    process's resident memory grows by the arena's size before any slot is used."""
+    import psutil
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    # 256 x 256 KiB = 64 MiB: past malloc's largest mmap threshold, so fresh pages, not
+    # memory this process already had
+    pool = BlockPool("warm", 256, (2, 2, 4, 16, 256), torch.float32)
+    grown = proc.memory_info().rss - before
+    assert grown >= 60 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
+    assert pool.num_free == 256 and torch.count_nonzero(pool.arena) == 0
