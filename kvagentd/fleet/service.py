@@ -208,8 +208,10 @@ class FleetService:
 
     def _import(self, m: Manifest, uid: int | None) -> int:
         """The manifest as this box's session; its blocks known to the store (found in the
-        remote tier past what this box has) and pulled to warm in the background. Returns
-        how many of its blocks are readable now."""
+        remote tier past what this box has) and pulled to warm before this returns, in large
+        pipelined reads (a background pull moves a few blocks per read, and the session's first
+        turn, which usually follows at once, would wait on each of them). Returns how many of
+        its blocks are readable now."""
         assert self.engine is not None
         store = self.engine.store
         expect = store.block_keys(m.token_ids)[:len(m.block_keys)]
@@ -223,5 +225,5 @@ class FleetService:
         if found:
             from kvagentd.kvcache.base import Tier
 
-            store.promote(found, Tier.WARM, background=True)
+            store.promote(found, Tier.WARM)
         return len(found)
