@@ -8,6 +8,11 @@ for a 2k-token SmolLM2 session) in the path of a session's resume; here the requ
 record bytes it received to one thread and goes on. Until the thread has written a block, a
 read of it goes to the remote again; if this box stops before, the remote still has it.
 
+The thread waits until no read has queued records for `settle_s`: blocks are read from the
+remote because a request needs them now, and writing them meanwhile (a decode, a checksum and
+a synced write per block) competed with that request for the CPU, the GIL and memory
+bandwidth: a resume's gather of its KV took 3x as long while the copy ran.
+
 Bounded: at most `budget_bytes` of records wait (more is not queued, counted `fill_skipped`:
 the next read of those blocks fetches them again). The thread verifies each record again as
 it decodes it into a reused staging buffer (one xxh3 per block, off the request's path).
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -29,17 +35,23 @@ log = structlog.get_logger(__name__)
 
 BUDGET_BYTES = 256 << 20
 BATCH = 8  # blocks per local put (one sync)
+SETTLE_S = 2.0  # quiet time after the last read before the copy starts
 
 Batch = list[tuple[BlockKey, bytes]]
 
 
 class LocalFill:
     def __init__(self, local: ColdTier, records: RemoteRecords,
-                 count: Callable[[str, int], None], *, budget_bytes: int = BUDGET_BYTES) -> None:
+                 count: Callable[[str, int], None], *, budget_bytes: int = BUDGET_BYTES,
+                 settle_s: float = SETTLE_S, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self.local = local
         self.records = records
         self.count = count
         self.budget_bytes = budget_bytes
+        self.settle_s = settle_s
+        self.clock = clock
+        self._last_submit = 0.0
         self._queue: collections.deque[Batch] = collections.deque()
         self._queued_bytes = 0
         self._busy = False
@@ -60,6 +72,7 @@ class LocalFill:
                 take.append((key, value))
                 room -= len(value)
             if take:
+                self._last_submit = self.clock()
                 self._queue.append(take)
                 self._queued_bytes += sum(len(v) for _, v in take)
                 self._start()
@@ -79,8 +92,11 @@ class LocalFill:
             return self._queued_bytes
 
     def flush(self, timeout: float) -> bool:
-        """Wait until everything queued so far is written (or dropped); False on timeout."""
+        """Write everything queued so far now (no settling) and wait until it is written (or
+        dropped); False on timeout."""
         with self._cond:
+            self._last_submit = -self.settle_s
+            self._cond.notify_all()
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -93,12 +109,18 @@ class LocalFill:
             if self._thread.is_alive():
                 log.warning("remote_fill_unfinished", pending_bytes=self.pending())
 
+    def _settled(self) -> bool:
+        return self._closed or self.clock() - self._last_submit >= self.settle_s
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
+                while not self._settled():
+                    wait = self.settle_s - (self.clock() - self._last_submit)
+                    self._cond.wait(max(0.01, wait))
                 batch = self._queue.popleft()
                 self._busy = True
             try:

@@ -301,3 +301,32 @@ def test_the_local_copy_is_bounded_and_what_does_not_fit_stays_remote(
         gate.set()
         a.close()
         b.close()
+
+
+def test_the_local_copy_waits_until_reads_settle(rdir: Path, redis: RedisServer) -> None:
+    """Blocks are read from the remote because a request needs them now: their local copy
+    starts once no read has queued more for `settle_s` (here never, within the test), or on a
+    flush, or when the tier closes."""
+    import time
+
+    a = make_box(rdir / "a", spec_for(redis))
+    b = make_box(rdir / "b", spec_for(redis))
+    b.tier.fill.settle_s = 3600.0
+    try:
+        keys = compute(a, "s", IDS)
+        _flush(a)
+        outs = [torch.zeros(GEOM.block_shape) for _ in keys]
+        assert b.tier.read_into(keys[:2], outs[:2]) == [True] * 2
+        time.sleep(0.3)
+        assert not any(b.tier.local.contains(k) for k in keys)
+        assert b.tier.fill.flush(10.0)
+        assert [b.tier.local.contains(k) for k in keys] == [True] * 2 + [False] * 3
+        assert b.tier.read_into(keys[2:], outs[2:]) == [True] * 3
+    finally:
+        a.close()
+        b.close()  # closing writes what waited
+    c = make_box(rdir / "b", spec_for(redis))  # box B again, on its own cold tier
+    try:
+        assert all(c.tier.local.contains(k) for k in keys)
+    finally:
+        c.close()
