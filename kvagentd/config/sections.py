@@ -136,6 +136,11 @@ class ExecutorConfig:
     # memory a running batch holds beyond the hot pool (working copies or attention scratch)
     batch_memory_bytes: ByteSize = field(default=ByteSize(2 << 30), metadata=_rng(1 << 20, None))
     kv_layout: Literal["auto", "contiguous", "paged"] = "auto"  # auto: paged on CUDA
+    # a working copy of this many tokens made ready (its pages taken) at start, contiguous
+    # layout only; 0: none. A fresh daemon's first long request otherwise paged it in first.
+    # 4096 holds an agent session (agent.session_token_budget 1536) and an adopted or resumed
+    # operator session of up to 4k tokens; 187 MB for SmolLM2-135M, within batch_memory_bytes
+    warm_workspace_tokens: int = field(default=4096, metadata=_rng(0, 1 << 20))
 
 
 @dataclass(frozen=True, slots=True)

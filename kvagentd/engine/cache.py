@@ -93,6 +93,24 @@ class Workspaces:
             self._in_use -= _nbytes(buf)
             self._free.append(buf)
 
+    def warm(self, tokens: int) -> int:
+        """Keep an idle buffer of `tokens` tokens with its pages taken now (zeroed), so the
+        first request that needs one does not page it in: 0.3 s for 2k SmolLM2 tokens in a
+        busy process on the development machine, against 0.02 s to fill a touched one.
+        Returns its bytes (0: none, or no room in the budget)."""
+        if tokens <= 0:
+            return 0
+        need = self.bytes_for(tokens)
+        with self._lock:
+            if self._in_use + self._idle() + need > self._budget():
+                return 0
+        g = self.geometry
+        buf = torch.zeros((g.num_layers, 2, 1, g.num_kv_heads, self.capacity_for(tokens),
+                           g.head_dim), dtype=g.dtype, device=self.device)
+        with self._lock:
+            self._free.append(buf)
+        return need
+
     def nbytes(self) -> int:
         """Bytes of idle buffers kept for reuse."""
         with self._lock:

@@ -157,12 +157,15 @@ class Engine:
                                  loaded.tokenizer, cfg, metrics=self.metrics)
         self.sessions = SessionView(self.table, store, self.executor, loaded.tokenizer)
         self.started_at: float | None = None
+        self.warm_workspace_tokens = cfg.warm_workspace_tokens
 
     @property
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
     def start(self) -> None:
+        if self.blocks.layout == "contiguous":
+            self.blocks.workspaces.warm(self.warm_workspace_tokens)
         self.executor.start()
         self.started_at = time.time()
         log.info("engine_started", model=self.loaded.name, dtype=str(self.loaded.dtype),

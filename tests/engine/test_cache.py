@@ -131,3 +131,20 @@ def test_workspaces_are_reused_within_their_budget(tiny: LoadedModel) -> None:
     with torch.no_grad():
         tiny.model(input_ids=_ids(70), cache=cache)  # grows past its first capacity
     assert cache.get_seq_length() == 70
+
+
+def test_a_warmed_workspace_is_ready_idle_and_counted(tiny: LoadedModel) -> None:
+    """`warm` keeps one idle buffer with its pages taken; the first request that fits uses it,
+    and it counts against the budget like any idle buffer (never past it)."""
+    geo = model_geometry(tiny.model, BLOCK_TOKENS, torch.float32)
+    per_256 = Workspaces(geo, "cpu").bytes_for(256)
+    ws = Workspaces(geo, "cpu", budget_bytes=2 * per_256)
+    assert ws.warm(300) == 2 * per_256 and ws.nbytes() == 2 * per_256
+    assert ws.warm(1) == 0  # the budget is full of the warm buffer
+    first = ws.acquire(290)
+    assert first is not None and ws.nbytes() == 0 and ws.in_use_bytes() == 2 * per_256
+    assert torch.count_nonzero(first) == 0
+    ws.release(first)
+    assert ws.acquire(100) is first  # still the one buffer
+    assert Workspaces(geo, "cpu", budget_bytes=per_256).warm(300) == 0  # too large: none
+    assert ws.warm(0) == 0
