@@ -2,8 +2,9 @@
 
 `diagnose_recording(recording, asset, window_s)` yields one `WindowResult` per consecutive
 window (no overlap; a tail shorter than a window is left out): its offset, the diagnosis, or
-the reason the window was refused (a spectrum that contradicts the stated shaft speed, a
-window that is constant or not finite). The asset gives rpm, bearing and zone limits; the
+the reason the window was refused (a spectrum that contradicts the stated shaft speed, or a
+recording most of whose windows so far do (`shaft.RecordingSpeed`), a window that is constant
+or not finite). The asset gives rpm, bearing and zone limits; the
 recording gives the samples, the rate and the unit. `kvagentd diagnose` prints these as a table
 or as JSON lines; the CWRU benchmark (`bench.diagnosis`) scores them.
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 from kvagentd.agent.diagnosis.analysis import analyze, classify
 from kvagentd.agent.diagnosis.result import Diagnosis
+from kvagentd.agent.diagnosis.shaft import RecordingSpeed
 from kvagentd.agent.features import Window
 from kvagentd.agent.recordings import Recording
 from kvagentd.config import AssetConfig
@@ -65,13 +67,16 @@ def diagnose_recording(recording: Recording, asset: AssetConfig,
     n = int(round(asset.window_s * fs))
     hop = max(1, int(round((hop_s or asset.window_s) * fs)))
     x = recording.samples
+    speed = RecordingSpeed()
     for i, start in enumerate(range(0, x.size - n + 1, hop)):
         seg = x[start:start + n]
         if float(np.ptp(seg)) <= 1e-9 * max(1.0, float(np.max(np.abs(seg)))):
             yield WindowResult(i, start, start / fs, None, "constant signal")
             continue
         an = analyze(Window(seg, fs, recording.kind, start / fs, offset=start), asset)
-        if not an.speed.ok:
-            yield WindowResult(i, start, start / fs, None, an.speed.reason)
+        speed.observe(an.speed)
+        refused = an.speed.reason if not an.speed.ok else speed.verdict()
+        if refused:
+            yield WindowResult(i, start, start / fs, None, refused)
             continue
         yield WindowResult(i, start, start / fs, classify(an, asset))

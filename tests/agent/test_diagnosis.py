@@ -143,3 +143,42 @@ def test_trend_series_hour_and_day_changes():
     assert got.day == pytest.approx(12.0, abs=0.2)
     assert got.per_hour == pytest.approx(0.5, abs=0.01)
     assert TrendSeries().trends(now) == {}
+
+
+def test_a_recording_is_judged_on_its_windows_so_far():
+    from kvagentd.agent.diagnosis.shaft import RecordingSpeed, SpeedCheck
+
+    ok, bad = SpeedCheck(True, 30.0, 30.0, True), SpeedCheck(False, 30.0, 30.0, False, "x")
+    r = RecordingSpeed()
+    for _ in range(7):
+        r.observe(bad)
+    assert r.verdict() is None  # too few windows to judge a recording
+    r.observe(ok)
+    assert r.verdict() is not None and "7 of the first 8 windows" in r.verdict()
+    for _ in range(20):
+        r.observe(ok)
+    assert r.verdict() is not None and "7 of the first 8" in r.verdict()  # it stands
+    r = RecordingSpeed()
+    for check in [bad, ok] * 4 + [bad]:  # 4 of 8, then 5 of 9
+        r.observe(check)
+        assert (r.verdict() is None) == (r.checked < 9)
+
+
+def test_replayed_windows_are_refused_once_their_recording_is(tmp_path):
+    """The live agent's diagnoser judges a replay (windows that carry a file offset) as one
+    recording; windows of a live sensor are judged one by one."""
+    import dataclasses
+
+    from kvagentd.agent.diagnosis.diagnoser import Diagnoser, SpeedRefused
+    from kvagentd.agent.diagnosis.shaft import SpeedCheck
+
+    asset = AssetConfig(baseline_s=0.0)
+    src = SimulatedSource(asset, 0.0)
+    diag = Diagnoser(asset)
+    for _ in range(8):  # a replay whose windows were refused (here: told so)
+        diag.recording.observe(SpeedCheck(False, 29.5, 29.5, False, "wrong"))
+    live = src.read_window(10.0)
+    assert live.offset is None and diag.diagnose(live, 10.0) is not None
+    replayed = dataclasses.replace(src.read_window(13.0), offset=36000)
+    with pytest.raises(SpeedRefused, match="windows of this recording"):
+        diag.diagnose(replayed, 13.0)

@@ -85,3 +85,23 @@ def test_a_wrong_sample_rate_is_refused(cwru, factor):
 
 def test_the_right_sample_rate_is_never_refused(cwru):
     assert all(r.diagnosis is not None for _, _, _, res in cwru.values() for r in res)
+
+
+def test_a_recording_most_of_whose_windows_contradict_its_speed_is_refused_whole(cwru):
+    """At a quarter of the true rate some windows pass the check alone; once more than half
+    of at least 8 windows were refused, the recording's later windows are refused too, with
+    the recording's reason."""
+    for _name, (_entry, rec, asset, _) in sorted(cwru.items()):
+        wrong = dataclasses.replace(rec, sample_rate_hz=rec.sample_rate_hz / 4)
+        results = list(diagnose_recording(wrong, dataclasses.replace(
+            asset, sample_rate_hz=wrong.sample_rate_hz)))
+        whole = [i for i, r in enumerate(results) if "of this recording" in (r.refused or "")]
+        if not whole:
+            continue
+        first = whole[0]
+        assert first >= 7  # never before 8 windows were checked
+        own = sum(r.diagnosis is None for r in results[:first])
+        assert own > first / 2  # a majority of windows had been refused on their own
+        assert all(r.diagnosis is None for r in results[first:])
+        return
+    pytest.fail("no recording read at a quarter of its rate was refused as a whole")

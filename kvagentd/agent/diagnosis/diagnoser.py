@@ -2,7 +2,8 @@
 learned baseline and its hour/day trends.
 
 `Diagnoser.diagnose(window, now)`:
-    analyze (pure) -> speed check (raises `SpeedRefused`) -> classify against the baseline
+    analyze (pure) -> speed check of the window, and of the recording for replayed windows
+    (raises `SpeedRefused`) -> classify against the baseline
     -> trends (this window folded into the per-minute series) -> baseline learns the window
     when it is healthy.
 Trend measures: `rms_mm_s`, `kurtosis` and the envelope ratio of each defect line (`BPFO`,
@@ -19,6 +20,7 @@ from typing import Any
 from kvagentd.agent.diagnosis.analysis import Analysis, analyze, baseline_sample, classify
 from kvagentd.agent.diagnosis.baseline import Baseline
 from kvagentd.agent.diagnosis.result import Diagnosis
+from kvagentd.agent.diagnosis.shaft import RecordingSpeed
 from kvagentd.agent.diagnosis.trend import TrendSeries
 from kvagentd.agent.features import Window
 from kvagentd.config import AssetConfig
@@ -35,6 +37,8 @@ class Diagnoser:
                          else Baseline(asset.baseline_s))
         self.trend = TrendSeries()
         self.last: Analysis | None = None  # the last window's evidence (reports plot it)
+        # replayed windows come from one recording: its rate and rpm are judged as a whole
+        self.recording = RecordingSpeed()
 
     def seed(self, minutes: Iterable[Mapping[str, Any]]) -> None:
         """Trends from stored per-minute summaries (`EventLog.minutes`)."""
@@ -50,8 +54,12 @@ class Diagnoser:
     def diagnose(self, window: Window, now: float) -> Diagnosis:
         stats = self.baseline.stats
         an = analyze(window, self.asset, stats)
+        if window.offset is not None:
+            self.recording.observe(an.speed)
         if not an.speed.ok:
             raise SpeedRefused(an.speed.reason)
+        if window.offset is not None and (why := self.recording.verdict()):
+            raise SpeedRefused(why)
         self.last = an
         d = classify(an, self.asset, stats, self.baseline.state)
         self.trend.add(now, {"rms_mm_s": d.rms_mm_s, "kurtosis": d.kurtosis, **d.ratios})

@@ -12,6 +12,12 @@
   k = 2 is left out on purpose: mechanical looseness makes genuine half harmonics. Families at
   mains frequency and twice it (50, 60, 100, 120 Hz) are electrical, not a
   speed. A window with too few lines to judge passes.
+- `RecordingSpeed`: the same question for a recording as a whole. A file has one sample
+  rate and one stated speed, so once at least `RECORDING_MIN_WINDOWS` of its windows were
+  checked and more than `RECORDING_SHARE` of them contradicted the stated speed, every later
+  window of it is refused, also those whose own spectrum happens not to show the
+  contradiction (a 48 kHz file read as 12 kHz: about one window in five passes the check
+  alone).
 - `shaft_evidence` / `classify_shaft`: 0.5x..10x line levels and, when the vibration is
   elevated (ISO zone C/D, or the baseline's change criterion), the running-speed fault they
   point to, by the practitioners' rules (Scheffer & Girdhar 2004, "Practical Machinery
@@ -37,6 +43,11 @@ TOP_LINE_MARGIN = 2.0
 MAINS_HZ = (50.0, 60.0, 100.0, 120.0)
 MAINS_TOLERANCE = 0.01
 LOOSE_HARMONICS = 4
+# A recording's verdict: at the right rate and rpm the per-window check refused 0 of 122 CWRU
+# windows and 1 of 1000 windows of Gaussian noise (p <= 0.01); more than half of 8 or more
+# windows refused then has a chance below 1e-8 (binomial), and a wrong rate refused 80-100 %
+RECORDING_MIN_WINDOWS = 8
+RECORDING_SHARE = 0.5
 SHAFT_LINES = (("0.5x", 0.5), ("1x", 1.0), ("1.5x", 1.5), ("2x", 2.0), ("2.5x", 2.5),
                ("3x", 3.0), ("4x", 4.0), ("5x", 5.0), ("6x", 6.0), ("7x", 7.0), ("8x", 8.0),
                ("9x", 9.0), ("10x", 10.0))
@@ -160,6 +171,32 @@ def check_speed(spec: Spectrum, stated_hz: float, tolerance: float) -> SpeedChec
                           f"3x, but {int(counts[best])} harmonics of {grid[best]:.2f} Hz: check "
                           f"the sample rate and rpm")
     return ok
+
+
+class RecordingSpeed:
+    """The speed check of one recording, over its windows so far (see the module docstring).
+    `observe` each window's own check; `verdict` is why the whole recording is refused, or
+    None while it is not (or too few windows were checked to say). The verdict stands once
+    reached: a file's rate and rpm do not change between its windows."""
+
+    def __init__(self, min_windows: int = RECORDING_MIN_WINDOWS,
+                 share: float = RECORDING_SHARE) -> None:
+        self.min_windows, self.share = min_windows, share
+        self.checked = 0
+        self.refused = 0
+        self._why: str | None = None
+
+    def observe(self, check: SpeedCheck) -> None:
+        self.checked += 1
+        self.refused += not check.ok
+        if (self._why is None and self.checked >= self.min_windows
+                and self.refused > self.share * self.checked):
+            self._why = (f"{self.refused} of the first {self.checked} windows of this "
+                         f"recording contradict the stated shaft speed: its sample rate or "
+                         f"rpm is wrong")
+
+    def verdict(self) -> str | None:
+        return self._why
 
 
 @dataclass(frozen=True, slots=True)
