@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from kvagentd.agent import grounding
 from tests.redisd import RedisServer
 
 from .conftest import Box, box_config
@@ -14,7 +17,11 @@ ASSET = '[[agent.assets]]\nname = "pump-1"\nseed = 3\n'
 
 
 def test_an_asset_moved_in_the_config_continues_its_session_on_the_new_box(
-        fdir: Path, redis: RedisServer) -> None:
+        fdir: Path, redis: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tiny random model's text depends on the prompt, which carries the wall-clock time: a
+    # commentary it happens to write empty (or contradicting) is withheld and rolls the session
+    # over. What is tested here is where the session continues, so every commentary passes.
+    monkeypatch.setattr(grounding, "check", lambda *a, **k: grounding.Verdict(True))
     a = Box(box_config(fdir, redis.url, "box-a", assets=ASSET))
     b = None
     try:
