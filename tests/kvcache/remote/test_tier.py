@@ -22,6 +22,16 @@ def _flush(box) -> None:
     assert box.remote.writer.flush(10.0), box.remote.status()
 
 
+def _resumes_all(box, session: str):
+    """Every block of IDS resident on `box` for `session`, each with the data computed for it."""
+    res = box.store.ensure_resident(box.store.match_prefix(IDS).keys, session)
+    assert res.missing_from is None and len(res.slots) == 5
+    for slot, want in zip(res.slots, expected(IDS)):
+        assert torch.equal(box.store.hot_arena()[slot], want)
+    box.store.release(session)
+    return res
+
+
 def test_blocks_computed_on_one_box_are_read_verified_and_kept_on_another(
         rdir: Path, redis: RedisServer) -> None:
     a = make_box(rdir / "a", spec_for(redis))
@@ -79,11 +89,7 @@ def test_a_corrupted_remote_record_is_refused_and_the_block_recomputed(
         # the bad record is replaced, a third box reads every block
         compute(b, "s2", IDS)
         _flush(b)
-        res = c.store.ensure_resident(c.store.match_prefix(IDS).keys, "s3")
-        assert res.missing_from is None and len(res.slots) == 5
-        for slot, want in zip(res.slots, expected(IDS)):
-            assert torch.equal(c.store.hot_arena()[slot], want)
-        c.store.release("s3")
+        _resumes_all(c, "s3")
     finally:
         for box in (a, b, c):
             box.close()
@@ -221,11 +227,7 @@ def test_a_remote_read_does_not_wait_for_the_local_copy(rdir: Path, redis: Redis
     try:
         keys = compute(a, "s", IDS)
         _flush(a)
-        res = b.store.ensure_resident(b.store.match_prefix(IDS).keys, "s2")
-        assert res.missing_from is None and len(res.slots) == 5
-        for slot, want in zip(res.slots, expected(IDS)):
-            assert torch.equal(b.store.hot_arena()[slot], want)
-        b.store.release("s2")
+        _resumes_all(b, "s2")
         assert not any(b.tier.local.contains(k) for k in keys)  # not yet written
         assert b.tier.fill.pending() == 5 * b.remote.records.length
         gate.set()
