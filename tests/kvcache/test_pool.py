@@ -69,14 +69,21 @@ def test_random_alloc_free_keeps_integrity(ops):
 
 def test_a_host_arena_is_taken_at_creation() -> None:
     """Host pools touch their pages when created (as pinned memory is taken at once): the
-    process's resident memory grows by the arena's size before any slot is used."""
-    import psutil
+    process's resident memory grows by the arena's size before any slot is used. Measured in
+    a fresh interpreter: in this one, memory freed by earlier tests may be reused already
+    resident."""
+    import subprocess
+    import sys
 
-    proc = psutil.Process()
-    before = proc.memory_info().rss
-    # 256 x 256 KiB = 64 MiB: past malloc's largest mmap threshold, so fresh pages, not
-    # memory this process already had
-    pool = BlockPool("warm", 256, (2, 2, 4, 16, 256), torch.float32)
-    grown = proc.memory_info().rss - before
+    code = (
+        "import psutil, torch\n"
+        "from kvagentd.kvcache.pool import BlockPool\n"
+        "before = psutil.Process().memory_info().rss\n"
+        "pool = BlockPool('warm', 256, (2, 2, 4, 16, 256), torch.float32)  # 64 MiB\n"
+        "grown = psutil.Process().memory_info().rss - before\n"
+        "assert pool.num_free == 256 and torch.count_nonzero(pool.arena) == 0\n"
+        "print(grown)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    grown = int(out.stdout.split()[-1])
     assert grown >= 60 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
-    assert pool.num_free == 256 and torch.count_nonzero(pool.arena) == 0
