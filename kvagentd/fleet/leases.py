@@ -14,6 +14,10 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import structlog
+
+log = structlog.get_logger(__name__)
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS leases (
     session    TEXT PRIMARY KEY,
@@ -41,6 +45,7 @@ class LeaseBook:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(state_dir) / "fleet.sqlite3"
         self._lock = threading.Lock()
+        self._closed = False
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(_SCHEMA)
@@ -61,6 +66,10 @@ class LeaseBook:
 
     def _put(self, session: str, epoch: int, by: str | None) -> None:
         with self._lock:
+            if self._closed:  # a reply that came after the stop: said, not raised in a thread
+                log.warning("lease_not_recorded", session=session, epoch=int(epoch),
+                            fenced_by=by, why="the lease book is closed")
+                return
             self._db.execute("INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?)",
                              (session, int(epoch), by, time.time()))
 
@@ -79,4 +88,5 @@ class LeaseBook:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._db.close()

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 HEARTBEAT_JOB = "remote.heartbeat"
+STOP_FLUSH_S = 5.0  # at stop, how long queued remote writes may take while the remote is up
 
 
 class AssetSessions(Protocol):
@@ -91,6 +92,10 @@ class FleetService:
         # NOTE: the agent (and its event log) stopped before this service: the last heartbeat
         # repeats what the previous one said, marked stopped
         self.heartbeat.beat(self._about, stopping=True)
+        # manifests still queued record their fencing token in the lease book when sent: send
+        # them while it is open (the remote store itself closes after this service)
+        if self.remote.link.up and not self.remote.writer.flush(STOP_FLUSH_S):
+            log.warning("remote_writes_left_at_stop", queued=self.remote.writer.status()["queued"])
         self.leases.close()
 
     def reload(self, config: object) -> None:

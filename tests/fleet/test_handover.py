@@ -127,3 +127,33 @@ def test_a_box_that_never_knew_it_lost_a_session_learns_before_its_next_turn(
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_manifest_queued_at_stop_records_its_lease(fdir: Path, redis: RedisServer) -> None:
+    """A box stopped while the session's manifest still waits in its write queue (here: a
+    remote that stalls for a second) sends it during the stop and records the fencing token it
+    got in its lease book; the lease book used to close first and the token was lost. A reply
+    after the book closed is logged, not raised."""
+    import threading
+
+    from kvagentd.fleet.leases import LeaseBook
+
+    a = Box(box_config(fdir, redis.url, "box-a"))
+    gate = threading.Event()
+    link = a.fleet.remote.link
+    write = link.write
+    link.write = lambda op: (gate.wait(30.0), write(op))[1]  # type: ignore[method-assign]
+    try:
+        a.ask(SID, "Pump 1 runs at 1797 rpm with a rising 2x component.")
+        assert a.fleet.remote.writer.status()["queued"] >= 1
+        threading.Timer(1.0, gate.set).start()
+    finally:
+        a.stop()
+        gate.set()
+    book = LeaseBook(fdir / "box-a" / "state")
+    try:
+        lease = book.get(SID)
+        assert lease is not None and lease.held and lease.epoch >= 1
+    finally:
+        book.close()
+    book.hold(SID, 7)  # closed: a warning, no exception
