@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.common import Result, print_table, write_result
+from bench.common import Result, add_agent_run_options, print_table, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("none", "outer_race", "inner_race", "ball", "cage", "imbalance", "misalignment",
@@ -138,13 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="a Hugging Face model directory (model.source = hf_dir); default: the "
                         "embedded SmolLM2-135M")
-    p.add_argument("--assessment-tokens", type=int, default=24)
-    p.add_argument("--session-budget", type=int, default=1536)
-    p.add_argument("--block-tokens", type=int, default=16)
-    p.add_argument("--hot-mib", type=int, default=256)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    p.add_argument("--o-direct", action="store_true")
+    add_agent_run_options(p, threads=0)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.samples = min(args.samples, 3)

@@ -53,15 +53,17 @@ class Result:
     goals: list[Goal] = field(default_factory=list)
 
 
-def add_agent_run_options(p: argparse.ArgumentParser) -> None:
+def add_agent_run_options(p: argparse.ArgumentParser, *, threads: int = 1) -> None:
     """The options of a benchmark that runs the agent on the embedded model (store sizes,
-    model precision and threads, the agent's token limits)."""
+    model precision and threads, the agent's token limits); `threads`: the default of
+    `--threads`."""
     p.add_argument("--assessment-tokens", type=int, default=24)
     p.add_argument("--session-budget", type=int, default=1536)
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--hot-mib", type=int, default=256)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
+    p.add_argument("--threads", type=int, default=threads,
+                   help="torch threads (0: torch default)")
     p.add_argument("--o-direct", action="store_true")
 
 
