@@ -95,7 +95,7 @@ class LocalFill:
         """Write everything queued so far now (no settling) and wait until it is written (or
         dropped); False on timeout."""
         with self._cond:
-            self._last_submit = -self.settle_s
+            self._last_submit = self.clock() - self.settle_s  # settled now
             self._cond.notify_all()
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
 

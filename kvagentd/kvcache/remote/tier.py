@@ -11,9 +11,10 @@ a local miss) and `offer` (blocks just computed, which may never reach the cold 
 written behind at once, so a box that dies loses nothing another box needs).
 
 - reads: the local cold tier first; what it does not hold is read from the remote (pipelined
-  GETEX, which also refreshes the key's TTL) and verified. The records read are then written to the local cold
-  tier behind the request (`LocalFill`), so a later read is local and the block survives a
-  restart of this box; until then (and if this box stops first) the remote still holds them.
+  GETEX, which also refreshes the key's TTL) and verified. The records read are then written
+  to the local cold tier behind the request (`LocalFill`), so a later read is local and the
+  block survives a restart of this box; until then (and if this box stops first) the remote
+  still holds them.
 - writes: `put_many` stores locally and queues the records for the remote; `offer` queues only.
   Blocks recently sent are not sent again (see `RemoteStore.publish_blocks`).
 - nothing is deleted from the remote by this box: other boxes may rely on a record; keys
@@ -98,7 +99,7 @@ class RemoteColdTier:
             served: list[tuple[BlockKey, bytes]] = []
             got = self.read_remote([keys[i] for i in rest], [outs[i] for i in rest], served)
             for i, g in zip(rest, got):
-                ok[i] = ok[i] or g
+                ok[i] = g
             if served and not self.local.read_only:
                 self.fill.submit(served)
         return ok
