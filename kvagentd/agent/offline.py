@@ -74,8 +74,7 @@ def diagnose_recording(recording: Recording, asset: AssetConfig,
             yield WindowResult(i, start, start / fs, None, "constant signal")
             continue
         an = analyze(Window(seg, fs, recording.kind, start / fs, offset=start), asset)
-        speed.observe(an.speed)
-        refused = an.speed.reason if not an.speed.ok else speed.verdict()
+        refused = speed.refuses(an.speed)
         if refused:
             yield WindowResult(i, start, start / fs, None, refused)
             continue

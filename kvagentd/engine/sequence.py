@@ -151,14 +151,11 @@ class Sequence:
             self.result.timings["prefill_s"] = now - self.admitted_at
         if token in chat.stop_ids:
             return "stop"
-        text = tokenizer.decode(self.generated, skip_special_tokens=True)
-        end = sentence_end(text) if self.job.request.one_sentence else None
-        if end is not None:
-            text = text[:end]
+        text, ended = self._cut(str(tokenizer.decode(self.generated, skip_special_tokens=True)))
         if text.startswith(self._shown) and len(text) > len(self._shown):
             self.job.emit(text[len(self._shown):])
             self._shown = text
-        if end is not None:
+        if ended:
             return "stop"
         if self.remaining_new == 0:
             return "length"
@@ -168,6 +165,10 @@ class Sequence:
         """The generated text; for a one-sentence request, up to the end of that sentence (the
         token that showed the end may carry the next word's start: its ids stay in the
         session, so the session's ids and KV agree, but it is not shown)."""
-        text = str(tokenizer.decode(self.generated, skip_special_tokens=True))
+        return self._cut(str(tokenizer.decode(self.generated, skip_special_tokens=True)))[0]
+
+    def _cut(self, text: str) -> tuple[str, bool]:
+        """`text` as shown, and whether it has ended: a one-sentence request's text ends with
+        its first sentence."""
         end = sentence_end(text) if self.job.request.one_sentence else None
-        return text if end is None else text[:end]
+        return (text, False) if end is None else (text[:end], True)

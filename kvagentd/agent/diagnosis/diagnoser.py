@@ -54,11 +54,9 @@ class Diagnoser:
     def diagnose(self, window: Window, now: float) -> Diagnosis:
         stats = self.baseline.stats
         an = analyze(window, self.asset, stats)
-        if window.offset is not None:
-            self.recording.observe(an.speed)
-        if not an.speed.ok:
-            raise SpeedRefused(an.speed.reason)
-        if window.offset is not None and (why := self.recording.verdict()):
+        why = (self.recording.refuses(an.speed) if window.offset is not None
+               else None if an.speed.ok else an.speed.reason)
+        if why:
             raise SpeedRefused(why)
         self.last = an
         d = classify(an, self.asset, stats, self.baseline.state)

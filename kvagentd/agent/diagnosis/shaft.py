@@ -198,6 +198,12 @@ class RecordingSpeed:
     def verdict(self) -> str | None:
         return self._why
 
+    def refuses(self, check: SpeedCheck) -> str | None:
+        """`observe` the window's check; why the window is refused (its own check, else the
+        recording's verdict), or None."""
+        self.observe(check)
+        return check.reason if not check.ok else self._why
+
 
 @dataclass(frozen=True, slots=True)
 class ShaftLine:
