@@ -236,8 +236,8 @@ def check_host_memory(config: Config, device: torch.device,
     have = psutil.virtual_memory().available if available is None else available
     if need > have:
         field = "kv.hot_bytes" if device.type == "cpu" else "kv.warm_ratio"
-        raise ConfigError(field, str(config.kv.hot_bytes) if device.type == "cpu"
-                          else config.kv.warm_ratio,
+        raise ConfigError(field, f"{int(config.kv.hot_bytes) / 2**30:.1f} GiB"
+                          if device.type == "cpu" else config.kv.warm_ratio,
                           f"host KV arenas (hot on {device.type} + warm) that fit in the "
                           f"{have / 2**30:.1f} GiB of memory available now; they need "
                           f"{need / 2**30:.1f} GiB")
