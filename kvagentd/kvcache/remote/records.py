@@ -54,7 +54,8 @@ class RemoteRecords:
                     memoryview(buf)[ALIGN:ALIGN + n])
         return buf
 
-    def decode_into(self, key: BlockKey, value: bytes, out: torch.Tensor) -> str | None:
+    def decode_into(self, key: BlockKey, value: bytes | bytearray | memoryview, out: torch.Tensor
+                    ) -> str | None:
         """Verify `value` as the record of `key` and decode it into `out` (a CPU block);
         None when it was served, else why it was refused (and `out` is left unspecified)."""
         row = header_row(value, key)

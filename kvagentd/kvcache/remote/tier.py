@@ -11,7 +11,8 @@ a local miss) and `offer` (blocks just computed, which may never reach the cold 
 written behind at once, so a box that dies loses nothing another box needs).
 
 - reads: the local cold tier first; what it does not hold is read from the remote (pipelined
-  GETEX, which also refreshes the key's TTL) and verified. The records read are then written
+  GETEX, which also refreshes the key's TTL; each reply read from the socket straight into a
+  record buffer by `wire` where the client allows) and verified as it arrives. The records read are then written
   to the local cold tier behind the request (`LocalFill`), so a later read is local and the
   block survives a restart of this box; until then (and if this box stops first) the remote
   still holds them.
@@ -33,6 +34,7 @@ import structlog
 import torch
 
 from kvagentd.kvcache.base import BlockInfo, BlockKey, ColdEntry, ColdTier, VerifyProgress
+from kvagentd.kvcache.remote import wire
 from kvagentd.kvcache.remote.fill import LocalFill
 from kvagentd.kvcache.remote.link import Reply
 from kvagentd.kvcache.remote.store import RemoteStore
@@ -113,30 +115,44 @@ class RemoteColdTier:
         per = max(1, READ_BATCH_BYTES // self.remote.records.length)
         for s in range(0, len(keys), per):
             part = range(s, min(len(keys), s + per))
-            reply = self._fetch(keys, part)
-            if not reply.ok or reply.value is None:
+            reply = self._fetch(keys, outs, part, ok, served)
+            if not reply.ok:
                 self.remote.count("remote_unavailable", len(keys) - s)
                 return ok
-            for i, value in zip(part, reply.value):
-                ok[i] = self._serve(keys[i], value, outs[i])
-                if ok[i] and served is not None:
-                    served.append((keys[i], value))
         return ok
 
-    def _fetch(self, keys: list[BlockKey], part: range) -> Reply[list[Any]]:
+    def _fetch(self, keys: list[BlockKey], outs: list[torch.Tensor], part: range,
+               ok: list[bool], served: list[tuple[BlockKey, bytes]] | None) -> Reply[None]:
+        """One pipelined read of `keys[part]`, each record served into its `outs` as it
+        arrives (`ok[i]` set), straight from the socket where the client allows it (`wire`)."""
         names = [self.remote.names.block(keys[i]) for i in part]
         ttl = self.remote.ttl
+        length = self.remote.records.length
+        scratch = bytearray(length) if served is None else None
 
-        def getex(client: Any) -> list[Any]:
+        def serve(j: int, value: Any) -> None:
+            i = part[j]
+            ok[i] = self._serve(keys[i], value, outs[i])
+            if ok[i] and served is not None:
+                served.append((keys[i], value.obj))
+
+        def buffer_for(j: int) -> bytearray:
+            return scratch if scratch is not None else bytearray(length)
+
+        def getex(client: Any) -> None:
+            if wire.usable(client):
+                wire.getex_into(client, names, ttl, length, buffer_for, serve)
+                return
             pipe = client.pipeline(transaction=False)
             for name in names:
                 pipe.getex(name, ex=ttl)
-            return list(pipe.execute())
+            for j, value in enumerate(pipe.execute()):
+                serve(j, None if value is None else memoryview(value))
 
         self.remote.count("remote_reads", len(names))
         return self.remote.link.read(getex)
 
-    def _serve(self, key: BlockKey, value: bytes | None, out: torch.Tensor) -> bool:
+    def _serve(self, key: BlockKey, value: memoryview | None, out: torch.Tensor) -> bool:
         if value is None:
             self.remote.count("remote_missing")
             return False
