@@ -362,9 +362,13 @@ class TieredKVStore(KVStore):
             out.update(migrations=self._mig.moved, migration_failures=self._mig.failed,
                        **self.counters)
         n_cold = out["states"].get("cold", 0)
-        cold: dict[str, Any] = {"blocks": n_cold, "bytes": n_cold * bb}
+        cold: dict[str, Any] = {}
         if self._cold is not None:
             cold.update(self._cold.stats())
+            # the tier's records also include cold copies of warm blocks (and, after a
+            # failover, records left on the SSD): `records`; `blocks` are those cold now
+            cold["records"] = cold.get("blocks", 0)
+        cold.update(blocks=n_cold, bytes=n_cold * bb)
         out["tiers"]["cold"] = cold
         out["write_behind"] = (self._wb.status() if self._wb is not None
                                else {"enabled": False})

@@ -51,6 +51,13 @@ def test_warm_blocks_with_ssd_copies_survive_an_ssd_failure(tiers):
     assert st.demote(more, Tier.COLD) == 1
     assert fo.serving is ServingTier.SHADOW and fo.shadow.contains(more[0])
     assert st.stats()["cold_copies_dropped"] == 4
+    # what operators see (`kvctl blocks`, status): the one block cold now, on the shadow, and
+    # the tier's records on both sides (the dead SSD still lists the warm blocks' old copies)
+    cold = st.stats()["tiers"]["cold"]
+    assert cold["blocks"] == 1 and cold["records"] == 5
+    assert cold["primary"]["blocks"] == 4 and cold["shadow"]["blocks"] == 1
+    assert cold["bytes_used"] == fo.primary.bytes_used + fo.shadow.bytes_used
+    assert fo.shadow.bytes_used > 0
     st.check_integrity()
 
     # demoting the warm blocks now writes them to the shadow instead of trusting the SSD

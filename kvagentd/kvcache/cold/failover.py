@@ -402,8 +402,12 @@ class FailoverColdStore:
         return out
 
     def stats(self) -> dict[str, Any]:
+        """The SSD's figures, except what the tier holds: records and bytes of both (while on
+        the shadow the SSD may hold none of them), each side also under its own name."""
         p, s = self.primary.stats(), self.shadow.stats()
         return {**{k: v for k, v in p.items() if k != "io_errors"},
+                "blocks": int(p.get("blocks", 0)) + int(s.get("blocks", 0)),
+                "bytes_used": int(p.get("bytes_used", 0)) + int(s.get("bytes_used", 0)),
                 "io_errors": _io_errors(self.primary) + _io_errors(self.shadow),
                 "failover": self.status(), "primary": p, "shadow": s}
 
