@@ -12,10 +12,10 @@ written behind at once, so a box that dies loses nothing another box needs).
 
 - reads: the local cold tier first; what it does not hold is read from the remote (pipelined
   GETEX, which also refreshes the key's TTL; each reply read from the socket straight into a
-  record buffer by `wire` where the client allows) and verified as it arrives. The records read are then written
-  to the local cold tier behind the request (`LocalFill`), so a later read is local and the
-  block survives a restart of this box; until then (and if this box stops first) the remote
-  still holds them.
+  record buffer by `wire` where the client allows) and verified as it arrives. The records
+  read are then written to the local cold tier behind the request (`LocalFill`), so a later
+  read is local and the block survives a restart of this box; until then (and if this box
+  stops first) the remote still holds them.
 - writes: `put_many` stores locally and queues the records for the remote; `offer` queues only.
   Blocks recently sent are not sent again (see `RemoteStore.publish_blocks`).
 - nothing is deleted from the remote by this box: other boxes may rely on a record; keys
