@@ -76,6 +76,7 @@ def trend_figure(path: Path, minutes: Sequence[Mapping[str, Any]],
     ax2.legend(loc="upper left", fontsize=8)
     names = sorted({k for m in rows for k in (m.get("ratios") or {})},
                    key=lambda k: list(LINE_COLOURS).index(k) if k in LINE_COLOURS else 9)
+    drawn = 0
     for name in names:
         vals = [(m.get("ratios") or {}).get(name) for m in rows]
         ax3.plot(t, [np.nan if v is None else v for v in vals], lw=0.9,
@@ -83,13 +84,15 @@ def trend_figure(path: Path, minutes: Sequence[Mapping[str, Any]],
         thr = (thresholds or {}).get(name)
         if thr:
             ax3.axhline(thr, ls="--", lw=0.6, color=LINE_COLOURS.get(name, "gray"), alpha=0.6)
+            drawn += 1
     ax3.set_yscale("log")
     from matplotlib.ticker import FormatStrFormatter, LogLocator
 
     ax3.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     ax3.yaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax3.yaxis.set_minor_formatter(FormatStrFormatter(""))
-    ax3.set_ylabel("envelope line / noise floor\n(max per minute; dashed: threshold)")
+    ax3.set_ylabel("envelope line / noise floor\n(max per minute"
+                   + ("; dashed: threshold)" if drawn else ")"))
     if names:
         ax3.legend(loc="upper left", fontsize=8, ncol=len(names))
     for ep in episodes:

@@ -193,6 +193,16 @@ class ReportWriter:
 
     # ------------------------------------------------------------------ weekly
 
+    def _latest_thresholds(self, asset: str, since: float, until: float
+                           ) -> dict[str, float] | None:
+        """The detection thresholds of the period's latest diagnosed window (any window, not
+        only an anomaly's: a healthy week's plot shows how far below them its lines stay)."""
+        for row in self.events.query(asset=asset, since=since, until=until, limit=50):
+            thr = (row.get("diagnosis") or {}).get("thresholds")
+            if thr:
+                return dict(thr)
+        return None
+
     def _weekly(self, rid: str, asset: str, now: float) -> None:
         since = now - self.period_s
         minutes = self.events.minutes(asset, since, now + 1e-6)
@@ -204,7 +214,7 @@ class ReportWriter:
         stats.update(asset=asset, period_start=since, period_end=now)
         png = self.dir / f"{rid}.png"
         cfg = self.assets[asset]
-        thresholds = (rows[-1].get("diagnosis") or {}).get("thresholds") if rows else None
+        thresholds = self._latest_thresholds(asset, since, now + 1e-6)
         plots.trend_figure(png, minutes, eps, cfg.zone_limits_mm_s, thresholds=thresholds,
                            title=f"{asset}: vibration from {_day(since)} to {_day(now)}")
         summary = deterministic_summary(asset, found, stats)

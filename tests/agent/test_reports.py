@@ -70,6 +70,28 @@ def test_weekly_report_withholds_a_contradicting_summary(tmp_path, fake_executor
     assert "Recommendation" not in doc["markdown"] and "withheld" in doc["markdown"]
 
 
+def test_a_healthy_weeks_plot_draws_the_detection_thresholds(tmp_path, scheduler, clock,
+                                                             monkeypatch):
+    """No anomaly in the period: the envelope panel still shows each line's threshold (from
+    the latest diagnosed window), so the plot says how far below them the lines stay."""
+    from kvagentd.agent import plots
+
+    seen: list[object] = []
+    real = plots.trend_figure
+
+    def spy(*args, **kw):
+        seen.append(kw.get("thresholds"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(plots, "trend_figure", spy)
+    ag = Agent(agent_config(), None, scheduler, tmp_path, clock=clock)
+    run_ticks(ag, clock, 3)
+    doc = ag.reports.wait_for(ag.reports.start("weekly", asset="pump-1"), timeout=60)
+    assert doc["state"] == "done" and doc["stats"]["anomalies"] == 0
+    assert len(seen) == 1 and isinstance(seen[0], dict)
+    assert {"BPFO", "BPFI"} <= set(seen[0]) and all(v > 1 for v in seen[0].values())
+
+
 def test_weekly_report_without_model_uses_deterministic_summary(tmp_path, scheduler, clock):
     ag = Agent(agent_config(), None, scheduler, tmp_path, clock=clock)
     run_ticks(ag, clock, 3)
