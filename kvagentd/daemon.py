@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.interval import IntervalTrigger
 
 from kvagentd import __version__
 from kvagentd import log as logsetup
@@ -82,7 +83,7 @@ class Daemon:
         self.metrics = new_registry()
         self.core_metrics = CoreMetrics(self.metrics)
         self.scheduler = BackgroundScheduler()
-        self.jobs = JobWatch()
+        self.jobs = JobWatch(period_of=self._job_period)
         self.scheduler.add_listener(JobEventListener(self.jobs, self.core_metrics, log),
                                     JOB_EVENTS)
         self.acks = Acknowledgements()
@@ -105,6 +106,13 @@ class Daemon:
         self._last_status_line = ""
 
     # -- state -----------------------------------------------------------------------------
+
+    def _job_period(self, job_id: str) -> float | None:
+        """The fixed period of an interval job (for the runs a stall coalesced away)."""
+        job = self.scheduler.get_job(job_id)
+        trigger = job.trigger if job is not None else None
+        return trigger.interval.total_seconds() if isinstance(trigger, IntervalTrigger) \
+            else None
 
     # The services, for the control handlers; None where absent (or not built yet).
     @property

@@ -29,7 +29,13 @@ class JobEventListener:
         self.jobs, self.metrics, self.log = jobs, metrics, log
 
     def __call__(self, event: JobEvent) -> None:
-        outcome, duration = self.jobs.on_event(event)
+        outcome, duration, coalesced = self.jobs.on_event(event)
+        if coalesced:
+            self.metrics.job_runs.labels(event.job_id, "missed").inc(coalesced)
+            rec = self.jobs.record(event.job_id)
+            self.log.warning("job_skipped", job=event.job_id, reason="missed", runs=coalesced,
+                             why="the scheduler ran late (a stall) and ran once for them",
+                             missed_total=rec.missed if rec else None)
         label = "skipped_overlap" if outcome == "skipped" else outcome
         if duration is not None and event.job_id.startswith(TICK_PREFIX):
             self.metrics.tick_seconds.labels(event.job_id[len(TICK_PREFIX):]).observe(duration)

@@ -9,8 +9,12 @@ took, for the health checks, the metrics and the daemon's (rate-limited) job war
 A run's duration is measured from when it was due (`scheduled_run_time`) to its completion
 event, so the time a run waited for a worker thread counts: for a sensor tick, that is the
 delay an operator sees. A skip is a due run dropped because the previous one still ran
-(APScheduler's max instances); a miss one that was due longer ago than its grace time.
-Counters are totals since start; `window` looks at the recent events kept per job.
+(APScheduler's max instances); a miss one that was due longer ago than its grace time, or one
+that APScheduler coalesced away without an event: after a stall (the process stopped, a
+suspended VM, a blocked scheduler thread) a coalescing job runs once for all its missed due
+times and reports only the last, so for jobs with a fixed period (`period_of`) the due times
+between two reported ones are counted as missed. Counters are totals since start; `window`
+looks at the recent events kept per job.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class JobRecord:
     last_done: float | None = None  # unix seconds of the last completion
     last_error: str | None = None
     last_error_t: float | None = None
+    last_due: float | None = None  # the latest due time an event reported (unix seconds)
     recent: collections.deque[tuple[float, str, float | None]] = field(
         default_factory=lambda: collections.deque(maxlen=KEEP_EVENTS))
 
@@ -49,6 +54,7 @@ class JobRecord:
 class JobOutcome(NamedTuple):
     outcome: str  # ok | error | missed | skipped | other
     duration_s: float | None  # completed runs: from due to done
+    coalesced: int = 0  # due runs before this one that never ran and were never reported
 
 
 class JobWindow(NamedTuple):
@@ -69,8 +75,11 @@ class JobWindow(NamedTuple):
 class JobWatch:
     """Scheduler event sink; thread-safe (events arrive on the scheduler's threads)."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time,
+                 period_of: Callable[[str], float | None] | None = None) -> None:
+        """`period_of(job_id)`: the job's fixed period in seconds (interval jobs), else None."""
         self.clock = clock
+        self.period_of = period_of
         self._lock = threading.Lock()
         self._jobs: dict[str, JobRecord] = {}
 
@@ -80,8 +89,20 @@ class JobWatch:
         outcome = OUTCOMES.get(event.code, "other")
         now = self.clock()
         duration: float | None = None
+        period = self.period_of(event.job_id) if self.period_of is not None else None
+        dues = [t.timestamp() for t in (getattr(event, "scheduled_run_times", None)
+                                        or [getattr(event, "scheduled_run_time", None)])
+                if t is not None]
         with self._lock:
             rec = self._jobs.setdefault(event.job_id, JobRecord())
+            coalesced = 0
+            if dues:
+                due = max(dues)
+                if rec.last_due is not None and period and due > rec.last_due:
+                    coalesced = max(0, round((due - rec.last_due) / period) - 1)
+                    rec.missed += coalesced
+                    rec.recent.extend([(now, "missed", None)] * coalesced)
+                rec.last_due = due if rec.last_due is None else max(rec.last_due, due)
             if outcome in ("ok", "error"):
                 due = event.scheduled_run_time
                 duration = max(0.0, now - due.timestamp()) if due is not None else None
@@ -101,7 +122,7 @@ class JobWatch:
             elif outcome == "missed":
                 rec.missed += 1
                 rec.recent.append((now, outcome, None))
-        return JobOutcome(outcome, duration)
+        return JobOutcome(outcome, duration, coalesced)
 
     def record(self, job_id: str) -> JobRecord | None:
         """A copy of the totals of `job_id` (None when it never reported)."""
@@ -110,7 +131,8 @@ class JobWatch:
             if rec is None:
                 return None
             return JobRecord(rec.runs, rec.errors, rec.skipped, rec.missed, rec.last_done,
-                             rec.last_error, rec.last_error_t, collections.deque(maxlen=0))
+                             rec.last_error, rec.last_error_t, rec.last_due,
+                             collections.deque(maxlen=0))
 
     def window(self, job_id: str, since: float) -> JobWindow:
         """What `job_id` did from `since` (unix seconds) on."""

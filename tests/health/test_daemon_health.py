@@ -173,3 +173,56 @@ def test_jobwatch_counts_skips_errors_and_durations() -> None:
     fails = watch.record("fails")
     assert fails is not None and fails.last_error == "ValueError: bad"
     assert watch.window("slow", time.time() + 10).due == 0
+
+
+def test_jobwatch_counts_the_runs_a_stall_coalesced_away() -> None:
+    """A coalescing interval job that could not run for a while (here: the scheduler paused,
+    as a stopped process or a blocked thread) runs once and reports only its last due time;
+    the due times before it are counted as missed, so the skip rate tells the truth."""
+    from apscheduler.events import EVENT_JOB_EXECUTED, EVENT_JOB_MISSED
+    from apscheduler.schedulers.background import BackgroundScheduler
+    from apscheduler.triggers.interval import IntervalTrigger
+
+    sched = BackgroundScheduler()
+
+    def period(job_id: str) -> float | None:
+        job = sched.get_job(job_id)
+        return job.trigger.interval.total_seconds() \
+            if job is not None and isinstance(job.trigger, IntervalTrigger) else None
+
+    watch = JobWatch(period_of=period)
+    sched.add_listener(watch.on_event, EVENT_JOB_EXECUTED | EVENT_JOB_MISSED)
+    sched.start()
+    try:
+        sched.add_job(lambda: None, "interval", seconds=0.1, id="tick", coalesce=True,
+                      max_instances=1, misfire_grace_time=10)
+        _until(lambda: (r := watch.record("tick")) and r.runs >= 3)
+        before = watch.record("tick")
+        assert before is not None and before.missed == 0  # on time: nothing counted
+        sched.pause()
+        time.sleep(1.0)  # about 10 due runs pass
+        sched.resume()
+        runs = before.runs
+        _until(lambda: (r := watch.record("tick")) and r.runs >= runs + 2)
+    finally:
+        sched.shutdown(wait=True)
+    after = watch.record("tick")
+    assert after is not None and 7 <= after.missed <= 12
+    w = watch.window("tick", 0.0)
+    assert w.due == w.runs + w.missed and w.missed == after.missed
+
+
+def test_jobwatch_without_a_period_counts_only_reported_runs() -> None:
+    """A job without a fixed period (cron) is counted from its events alone."""
+    from datetime import datetime, timezone
+
+    from apscheduler.events import EVENT_JOB_EXECUTED, JobExecutionEvent
+
+    watch = JobWatch(period_of=lambda job_id: 3.0 if job_id == "tick" else None)
+    for job in ("tick", "weekly"):
+        for t in (0.0, 3.0, 24.0):  # a 21 s stall after the second run
+            watch.on_event(JobExecutionEvent(EVENT_JOB_EXECUTED, job, "default",
+                                             datetime.fromtimestamp(1e9 + t, timezone.utc)))
+    tick, weekly = watch.record("tick"), watch.record("weekly")
+    assert tick is not None and (tick.runs, tick.missed) == (3, 6)
+    assert weekly is not None and (weekly.runs, weekly.missed) == (3, 0)
