@@ -214,7 +214,7 @@ def test_jobwatch_counts_the_runs_a_stall_coalesced_away() -> None:
 
 def test_jobwatch_without_a_period_counts_only_reported_runs() -> None:
     """A job without a fixed period (cron) is counted from its events alone."""
-    from datetime import datetime, timezone
+    from datetime import UTC, datetime
 
     from apscheduler.events import EVENT_JOB_EXECUTED, JobExecutionEvent
 
@@ -222,7 +222,7 @@ def test_jobwatch_without_a_period_counts_only_reported_runs() -> None:
     for job in ("tick", "weekly"):
         for t in (0.0, 3.0, 24.0):  # a 21 s stall after the second run
             watch.on_event(JobExecutionEvent(EVENT_JOB_EXECUTED, job, "default",
-                                             datetime.fromtimestamp(1e9 + t, timezone.utc)))
+                                             datetime.fromtimestamp(1e9 + t, UTC)))
     tick, weekly = watch.record("tick"), watch.record("weekly")
     assert tick is not None and (tick.runs, tick.missed) == (3, 6)
     assert weekly is not None and (weekly.runs, weekly.missed) == (3, 0)
