@@ -89,6 +89,8 @@ class Daemon:
         self.acks = Acknowledgements()
         self.metrics.register(ScrapeCollector(self.scrape))
         self._health_level = "ok"
+        self.config_rejected: str | None = None  # the last reload's error (health: config)
+        self.config_pending: tuple[str, ...] = ()  # fields a restart would change
         self.started_at = time.time()
         self._t0 = time.monotonic()
         self._build = build
@@ -320,9 +322,11 @@ class Daemon:
                       effect="running configuration kept")
             self.core_metrics.reloads.labels("rejected").inc()
             self.notifier.ready(f"reload rejected: {exc}")
+            self.config_rejected = str(exc)
             return {"applied": {}, "restart_required": [], "error": str(exc)}
         merged, live, restart = merge_reloadable(self.config, new)
         self.config = merged
+        self.config_rejected, self.config_pending = None, tuple(restart)
         if "daemon.log_level" in live:
             logsetup.set_level(merged.daemon.log_level)
         if "daemon.log_repeat_interval_s" in live:
@@ -424,7 +428,8 @@ class Daemon:
                 main_loop_limit_s=3 * self.config.daemon.main_loop_interval_s + 5.0,
                 scheduler_running=self.scheduler.running,
                 scheduler_jobs=len(self.scheduler.get_jobs()) if self.scheduler.running else 0,
-                metrics_error=self.metrics_error),
+                metrics_error=self.metrics_error, config_rejected=self.config_rejected,
+                config_pending=self.config_pending),
             jobs=self.jobs, scheduler=self.scheduler if self.scheduler.running else None,
             now=time.time())
 

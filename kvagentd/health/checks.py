@@ -71,6 +71,15 @@ def _daemon(f: Facts) -> Iterator[Check]:
     if d.metrics_error is not None:
         yield Check("metrics-listener", DEGRADED, f"{d.metrics_error}; metrics stay on the "
                                                   "control socket (GET /v1/metrics)")
+    if d.config_rejected is not None:
+        yield Check("config", DEGRADED, f"the file no longer loads ({d.config_rejected}); the "
+                                        "daemon runs its previous configuration and would not "
+                                        "start again with this file")
+    elif d.config_pending:
+        yield Check("config", DEGRADED, f"changed in the file, applied at the next restart: "
+                                        f"{', '.join(d.config_pending)}")
+    else:
+        yield Check("config", OK, "running the configuration file as loaded")
     if d.scheduler_running:
         yield Check("scheduler", OK, f"{d.scheduler_jobs} jobs")
     else:

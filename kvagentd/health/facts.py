@@ -83,6 +83,8 @@ class DaemonFacts:
     scheduler_running: bool
     scheduler_jobs: int
     metrics_error: str | None = None  # the configured metrics listener could not listen
+    config_rejected: str | None = None  # the file failed to load at the last reload
+    config_pending: tuple[str, ...] = ()  # settings changed in the file that need a restart
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,8 @@ def test_sighup_reloads_log_level_and_keeps_old_config_on_error(spawn, short_dir
     reloaded = [e for e in _json_events(p.output()) if e.get("event") == "config_reloaded"]
     assert reloaded[-1]["applied"] == {"daemon.log_level": ["info", "debug"]}
     assert reloaded[-1]["restart_required"] == ["placement.policy"]
+    assert _config_check(p)["status"] == "degraded"  # operators see what is not applied yet
+    assert "applied at the next restart: placement.policy" in _config_check(p)["reason"]
 
     config.write_text(config.read_text().replace('log_level = "debug"',
                                                  'log_level = "loud"'))
@@ -83,8 +85,22 @@ def test_sighup_reloads_log_level_and_keeps_old_config_on_error(spawn, short_dir
     assert p.get("/v1/config")["config"]["daemon"]["log_level"] == "debug"
     rejected = [e for e in _json_events(p.output()) if e.get("event") == "reload_rejected"]
     assert rejected and rejected[-1]["field"] == "daemon.log_level"
+    check = _config_check(p)  # a restart would fail: said before it happens
+    assert check["status"] == "degraded" and "no longer loads" in check["reason"]
+    assert "daemon.log_level" in check["reason"]
+    # the file fixed and back to what runs: nothing pending
+    config.write_text(config.read_text().replace('log_level = "loud"', 'log_level = "debug"')
+                      .replace('policy = "lru"', 'policy = "reuse"'))
+    p.notify.messages.clear()
+    p.send_signal(signal.SIGHUP)
+    p.notify.wait_for("READY=1")
+    assert _config_check(p)["status"] == "ok"
     p.send_signal(signal.SIGTERM)
     assert p.wait() == 0
+
+
+def _config_check(p) -> dict:
+    return {c["name"]: c for c in p.get("/v1/health")["checks"]}["config"]
 
 
 def test_second_signal_exits_at_once(spawn, short_dir: Path) -> None:
