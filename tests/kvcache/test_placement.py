@@ -141,6 +141,9 @@ def test_a_round_restores_head_room_and_reuse_keeps_what_comes_back():
     assert env.store.c.hot_hits - hits == 10 * 10  # every later return is all hot
     assert env.store.c.foreground_demotions == fallback  # the store never had to make room
     assert env.svc.errors == 0
+    # what the rounds moved out of hot had been idle a few seconds (documents), never the 22 s+
+    # the chat waits: that is how long the policy charges a block that does not come back
+    assert env.svc.stats.hold_s is not None and 1.0 < env.svc.stats.hold_s < 22.0
 
 
 def test_round_cost_follows_accesses_not_stored_blocks():

@@ -11,7 +11,7 @@ import pytest
 
 from kvagentd.kvcache.placement.base import HOT, NONE, WARM
 from kvagentd.kvcache.placement.feed import Access, AccessFeed
-from kvagentd.kvcache.placement.reuse import reuse_model, reuse_tables
+from kvagentd.kvcache.placement.reuse import reuse_density, reuse_model, reuse_tables
 from kvagentd.kvcache.placement.stats import AccessStats
 from kvagentd.kvcache.placement.summary import load_summary, save_summary
 
@@ -86,6 +86,34 @@ def test_reuse_odds_follow_the_category_and_use_count():
     q_conv, mu, s = reuse_model(st, conv, tables)
     assert q_doc[0] < 0.05 and q_conv[0] > 0.9
     assert math.exp(float(mu[0])) == pytest.approx(30.0, rel=1e-3) and s[0] > 0
+
+
+def test_density_charges_a_block_unlikely_to_return_the_slot_time_it_would_waste():
+    """LHD's hit density: a block that rarely comes back (a one-shot document) is charged
+    `hold_s`, so the longer placement holds blocks, the lower it ranks, while one that almost
+    surely comes back (a conversation) barely is; and from one round to the next `hold_s`
+    follows how long the blocks moved out of hot had been idle."""
+    st = AccessStats()
+    t = 0.0
+    for i in range(50):  # documents never come back; conversations 30 s later (the last
+        st.record([ev([k("api-sys"), k("doc", i)], f"api-{i}", t)])  # not yet)
+        st.record([ev([k("chat-sys"), k("conv", i)], f"chat-{i}", t)])
+        if i < 49:
+            st.record([ev([k("chat-sys"), k("conv", i)], f"chat-{i}", t + 30.0)])
+        t += 1.0
+    rows = st.rows_of([k("doc", 49), k("conv", 49)])
+    now = 49.0 + 5.0  # both idle 5 s
+    short = reuse_density(st, rows, now, hold_s=10.0)
+    long = reuse_density(st, rows, now, hold_s=1000.0)
+    assert long[0] < short[0] / 20  # the document: charged the hold time
+    assert long[1] > short[1] / 3  # the conversation: only for its small chance of not
+    assert long[1] > long[0] and short[1] > short[0]
+
+    assert st.hold_s is None
+    st.note_left_hot(rows, 100.0)  # both idle 51 s
+    assert st.hold_s == pytest.approx(51.0)
+    st.note_left_hot(rows[:1], 110.0)  # 61 s: smoothed, not replaced
+    assert st.hold_s == pytest.approx(51.0 + 0.2 * (61.0 - 51.0))
 
 
 def test_arrivals_are_taken_once_and_trimmed():

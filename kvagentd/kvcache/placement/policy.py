@@ -17,9 +17,11 @@ Policies (peers, selectable by `placement.policy`):
   into free hot room.
 - `heat+prefetch`: `heat` plus the wants of a `Prefetcher` (predictive preload, co-access,
   neighbours), moved with the background I/O queue into free room.
-- `reuse`: ranks by predicted reuse (`reuse_density`): the probability that the block is used
-  again, from its category (the system prompt of its application) and use count, over the
-  expected time until then, from its own gaps or its category's. A block whose rank is below
+- `reuse`: ranks by predicted reuse (`reuse_density`, LHD's hit density): the probability
+  that the block is used again, from its category (the system prompt of its application) and
+  use count, over the slot time it would hold: until then (from its own gaps or its
+  category's) if it comes back, else as long as blocks stay in hot before placement moves them
+  out (`AccessStats.hold_s`). A block whose rank is below
   what warm keeps goes straight to cold. This is admission control: a block used once, of an
   application whose blocks are rarely used twice, leaves hot first, however recent.
 Pinned blocks and blocks in use are never moved (the store skips them: a plan is best effort);
@@ -266,7 +268,7 @@ class ReusePolicy(PlacementPolicy):
     def plan(self, view: RoundView, stats: AccessStats, heat: HeatMap | None) -> Plan:
         budget = _Budget(self.params.max_moves(view.caps))
         tables = reuse_tables(stats)
-        score = {t: reuse_density(stats, c.rows, view.now, tables)
+        score = {t: reuse_density(stats, c.rows, view.now, tables, stats.hold_s)
                  for t, c in view.victims.items()}
         moves = _demotions(view, stats, self.params, score, Reason.REUSE, budget,
                            direct_to_cold=True)

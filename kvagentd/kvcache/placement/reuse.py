@@ -4,7 +4,8 @@ From `AccessStats`' counters: per category (the first block of the request that 
 block: its application's system prompt) and use count (1, 2, 3 or more, its session's history
 included), the share of blocks that were used again; per category the log-normal spread of the
 time between uses; per block its own smoothed gaps. A round turns these into one score per
-candidate, `reuse_density`: expected uses per second of the slot it holds.
+candidate, `reuse_density`: expected uses per second of the slot it holds, the hit density of
+LHD (Beckmann et al., "LHD: Improving Cache Hit Rate by Maximizing Hit Density", NSDI 2018).
 """
 
 from __future__ import annotations
@@ -62,13 +63,19 @@ PRIOR_ODDS = 0.5  # reuse odds of a block placement has no record of a use of
 
 
 def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
-                  tables: ReuseTables | None = None) -> np.ndarray:
-    """Expected uses per second of slot held: P(used again) / E[time until then].
+                  tables: ReuseTables | None = None, hold_s: float | None = None
+                  ) -> np.ndarray:
+    """Expected uses per second of slot held: P(used again) / E[slot time until resolved].
 
     With odds q (category and use count) and a log-normal time to the next use (mean mu,
     deviation s, from the block's own gaps or its category's), a block idle for `a` seconds is
-    used again with probability q S(a) / (1 - q + q S(a)), S the survival of that time, and
-    then after E[T | T > a] - a more seconds. A block long overdue scores near zero; a block
+    used again with probability p = q S(a) / (1 - q + q S(a)), S the survival of that time, and
+    then after t = E[T | T > a] - a more seconds. Kept until then, it holds its slot t seconds
+    if it is used again, and, if it is not, until placement moves it out: `hold_s`, how long
+    blocks stay in hot before placement moves them out (`AccessStats.hold_s`). So the density
+    is p / (p t + (1 - p) hold_s): a block unlikely to come back is charged the slot time it
+    would waste, not its (long) expected return. Without `hold_s` (nothing moved out yet) the
+    mean idle time of `rows` stands in for it. A block long overdue scores near zero; a block
     with no recorded use (loaded, never used since) scores with the prior odds."""
     q, mu, s = reuse_model(stats, rows, tables if tables is not None else reuse_tables(stats))
     q = np.where(stats.count[rows] > 0, q, PRIOR_ODDS)
@@ -76,6 +83,9 @@ def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
     la = np.log(a)
     surv = np.maximum(1.0 - _norm_cdf((la - mu) / s), 1e-12)
     qs = q * surv
+    p = qs / (1.0 - q + qs)
     after = np.exp(np.minimum(mu + 0.5 * s * s, 50.0)) * _norm_cdf((mu + s * s - la) / s)
-    out: np.ndarray = qs / ((1.0 - q + qs) * np.maximum(after / surv - a, 1.0))
+    wait = np.maximum(after / surv - a, 1.0)
+    hold = hold_s if hold_s is not None else (float(a.mean()) if a.size else 1.0)
+    out: np.ndarray = p / (p * wait + (1.0 - p) * max(hold, 1.0))
     return out

@@ -257,6 +257,9 @@ class PlacementService:
                     if view.victims or self.policy.uses_heat else Plan((), self.policy.name)
             t1 = time.thread_time()
             applied = self.apply(plan)
+            left = [b.rows for b in plan.batches if b.src is Tier.HOT and b.rows is not None]
+            if left:  # how long blocks stay in hot (the reuse policy's `hold_s`)
+                self.stats.note_left_hot(np.concatenate(left), now)
             t2 = time.thread_time()
             self._sweep()
             self.rounds += 1

@@ -52,6 +52,7 @@ class SessionRecord:
 
 
 SESSION_TAU_S = 3600.0
+HOLD_ALPHA = 0.2  # smoothing of `hold_s` per round that moved blocks out of hot
 
 
 class Recorded(NamedTuple):
@@ -116,6 +117,9 @@ class AccessStats:
         self.cat_lg2 = np.zeros(nc, dtype=np.float64)
         self.prior_mu = math.log(prior_gap_s)
         self.prior_var = prior_sigma * prior_sigma
+        # how long a block stays in hot before placement moves it out (seconds since its last
+        # use, smoothed over rounds); None until placement has moved one (see `note_left_hot`)
+        self.hold_s: float | None = None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -369,6 +373,14 @@ class AccessStats:
         flag[new] = True
         self._arrived[code].append(new)
         self._arrived_n[code] += new.size
+
+    def note_left_hot(self, rows: np.ndarray, now: float) -> None:
+        """Placement moved `rows` out of hot at `now`: smooth `hold_s` toward the mean time
+        since their last use (HOLD_ALPHA a round)."""
+        if rows.size == 0:
+            return
+        age = float(np.mean(now - self.last_t[rows]))
+        self.hold_s = age if self.hold_s is None else self.hold_s + HOLD_ALPHA * (age - self.hold_s)
 
     def moved(self, rows: np.ndarray, code: int) -> None:
         """`rows` were moved to tier `code` (NONE: evicted) by placement."""
