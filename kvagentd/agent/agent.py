@@ -29,6 +29,7 @@ diagnose. A session handed over from another box continues here after `resume_se
 from __future__ import annotations
 
 import re
+import sqlite3
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -53,6 +54,11 @@ from kvagentd.config import AgentConfig, Config
 from kvagentd.engine.executor import Priority
 
 log = structlog.get_logger(__name__)
+
+# what the event log raises when its disk is full or failing: a tick still completes
+UNRECORDABLE = (sqlite3.Error, OSError)
+UNRECORDED_LOG_EVERY = 100  # one warning for the first tick not recorded, then every 100th
+UNRECORDED_RECENT_S = 600.0  # health shows unrecorded ticks this long after the last one
 
 SUMMARY_ROWS = 20  # event rows summarized into a new session
 TREND_SEED_S = 25 * 3600.0  # per-minute summaries loaded into the trends at start
@@ -140,6 +146,16 @@ class Agent:
         doing is `asset_views()` (the daemon's health checks judge it)."""
         if not self._running:
             return {"status": "failing", "detail": "the agent is not running"}
+        now = self.clock()
+        lost = [st for st in self.assets.values() if st.unrecorded
+                and st.unrecorded_t is not None and now - st.unrecorded_t < UNRECORDED_RECENT_S]
+        if lost:
+            worst = max(lost, key=lambda st: st.unrecorded)
+            return {"status": "degraded", "detail": (
+                f"{sum(st.unrecorded for st in lost)} ticks of "
+                f"{', '.join(st.asset.name for st in lost)} measured but not recorded in "
+                f"the event log ({worst.unrecorded_error}; {self.events.path}): status shows "
+                f"them, events and reports do not")}
         return {"status": "ok", "detail": "assets: " + ", ".join(self.assets)}
 
     def asset_views(self) -> list[AssetView]:
@@ -205,6 +221,18 @@ class Agent:
             st.missed += 1
             log.debug("agent.tick_missed", asset=st.asset.name, missed=st.missed)
 
+    def _not_recorded(self, st: AssetState, now: float, exc: BaseException,
+                      row: dict[str, Any]) -> dict[str, Any]:
+        """The event log could not take this tick (a full or failing state disk): the tick
+        still counts and its measurement stays in status; health says so (`health`)."""
+        st.unrecorded += 1  # since the last tick that was recorded
+        st.unrecorded_error, st.unrecorded_t = f"{type(exc).__name__}: {exc}", now
+        if st.unrecorded % UNRECORDED_LOG_EVERY == 1:
+            log.warning("agent.tick_not_recorded", asset=st.asset.name, error=st.unrecorded_error,
+                        not_recorded=st.unrecorded, path=str(self.events.path))
+        return {**row, "t": now, "asset": st.asset.name,
+                "note": f"not recorded in the event log: {st.unrecorded_error}"}
+
     def _tick_job(self, asset: str) -> None:
         st = self.assets[asset]
         with st.lock, self._in_beat():
@@ -228,11 +256,14 @@ class Agent:
     def _bad(self, st: AssetState, now: float, t0: float, reason: str, detail: str
              ) -> dict[str, Any]:
         st.bad[reason] += 1
-        eid = self.events.append(t=now, asset=st.asset.name, kind="bad_data",
-                                 note=f"{reason}: {detail}")
-        self.events.complete(eid, assessment=None, latency_s=time.perf_counter() - t0)
         log.info("agent.bad_data", asset=st.asset.name, reason=reason, detail=detail)
-        return self.events.get(eid) or {}
+        try:
+            eid = self.events.append(t=now, asset=st.asset.name, kind="bad_data",
+                                     note=f"{reason}: {detail}")
+            self.events.complete(eid, assessment=None, latency_s=time.perf_counter() - t0)
+            return self.events.get(eid) or {}
+        except UNRECORDABLE as exc:
+            return self._not_recorded(st, now, exc, {"kind": "bad_data"})
 
     def _tick(self, st: AssetState) -> dict[str, Any]:
         a = st.asset
@@ -262,10 +293,18 @@ class Agent:
             note = f"{note}; " if note else ""
             note += f"llm: the asset's sessions are written by box {held_by}"
         use_llm = a.llm and self.model is not None and held_by is None
-        turn = self._next_turn(st, now, prompts.observation(now, d)) if use_llm else None
-        eid = self.events.append(t=now, asset=a.name, features=features, zone=diagnosis.zone,
-                                 anomaly=diagnosis.anomaly, session=turn[0] if turn else None,
-                                 note=note, diagnosis=d)
+        try:
+            turn = self._next_turn(st, now, prompts.observation(now, d)) if use_llm else None
+            eid = self.events.append(t=now, asset=a.name, features=features,
+                                     zone=diagnosis.zone, anomaly=diagnosis.anomaly,
+                                     session=turn[0] if turn else None, note=note, diagnosis=d)
+        except UNRECORDABLE as exc:  # no model turn either: its session could not be noted
+            return self._not_recorded(st, now, exc, {
+                "kind": "tick", "zone": diagnosis.zone, "anomaly": diagnosis.anomaly,
+                "features": features, "diagnosis": d})
+        if st.unrecorded and st.unrecorded_t is not None:
+            log.warning("agent.ticks_recorded_again", asset=a.name, not_recorded=st.unrecorded)
+            st.unrecorded = 0
         self.windows.offer(a.name, eid, now, window, diagnosis.anomaly)
         commentary, withheld = None, False
         if turn is not None:
@@ -274,9 +313,14 @@ class Agent:
                 note = f"{note}; {why}" if note else why
         latency = time.perf_counter() - t0
         st.latencies.append(latency)
-        self.events.complete(eid, assessment=commentary, latency_s=latency, note=note or None,
-                             withheld=withheld)
-        return self.events.get(eid) or {}
+        try:
+            self.events.complete(eid, assessment=commentary, latency_s=latency,
+                                 note=note or None, withheld=withheld)
+            return self.events.get(eid) or {}
+        except UNRECORDABLE as exc:
+            return self._not_recorded(st, now, exc, {
+                "id": eid, "kind": "tick", "zone": diagnosis.zone, "features": features,
+                "diagnosis": d, "assessment": commentary})
 
     def _comment(self, st: AssetState, d: dict[str, Any], session: str, text: str,
                  system: str | None, *, started: float) -> tuple[str | None, bool, str | None]:

@@ -100,7 +100,10 @@ class EventLog:
                 self._fold_minute(t, asset, kind, features, diagnosis)
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                # NOTE: SQLite has already rolled back after some errors (a full disk): a
+                # second rollback would raise and hide the cause
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
             rowid = cur.lastrowid
         assert rowid is not None

@@ -34,6 +34,9 @@ class AssetState:
     llm_errors: int = 0
     commentaries: int = 0  # model answers checked against the diagnosis
     withheld: int = 0  # ... of which contradicted it and were not shown
+    unrecorded: int = 0  # ticks not written to the event log since one was (disk full, I/O)
+    unrecorded_error: str | None = None  # why the last one was not
+    unrecorded_t: float | None = None  # when (the agent's clock)
     bad: collections.Counter[str] = field(default_factory=collections.Counter)
     latencies: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=LATENCY_WINDOW))

@@ -93,6 +93,13 @@ class Internal(ApiError):
     status, kind = 500, "internal"
 
 
+class Storage(ApiError):
+    """The daemon cannot write what the request needs to its state directory (a full or
+    failing disk): the message names the path and the system's error."""
+
+    status, kind = 507, "insufficient_storage"
+
+
 class NotImplementedMethod(ApiError):
     status, kind = 501, "not_implemented"
 

@@ -155,3 +155,24 @@ def test_report_run_refuses_event_ids_outside_sqlite_integers(served):
             assert "integer in [1, 9223372036854775807]" in r.json()["error"]["message"]
         r = c.post("/v1/reports/run", json={"kind": "replay", "event": 2**63 - 1})
         assert r.status_code == 404  # a valid id that no event has
+
+
+def test_a_report_that_cannot_be_written_is_507_naming_the_path(served, capsys, monkeypatch):
+    import errno
+
+    import httpx
+
+    ag, sock = served
+    path = ag.reports.dir / "x.json"
+
+    def full(rid, doc):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ag.reports, "_write_json", full)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://k") as c:
+        r = c.post("/v1/reports/run", json={"kind": "weekly", "asset": "pump-1"})
+    assert r.status_code == 507 and r.json()["error"]["kind"] == "insufficient_storage"
+    assert "No space left on device" in r.json()["error"]["message"]
+    assert str(path) in r.json()["error"]["message"]
+    code, out = kvctl(sock, "report", "run", "weekly", "--asset", "pump-1", capsys=capsys)
+    assert code != 0

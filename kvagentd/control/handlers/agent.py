@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from kvagentd.control.authz import name_of_uid
-from kvagentd.control.errors import BadRequest, Busy, NotFound, NotReady, require_service
+from kvagentd.control.errors import BadRequest, Busy, NotFound, NotReady, Storage, require_service
 from kvagentd.control.router import Request, Router
 
 _AGE_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -95,6 +95,9 @@ def register(router: Router, daemon: Any) -> None:
         except ReportError as exc:
             raise (NotFound if "unknown asset" in str(exc) or "unknown event" in str(exc)
                    else BadRequest)(str(exc)) from None
+        except OSError as exc:  # the reports directory cannot be written (a full disk ...)
+            raise Storage(f"cannot write the report: {exc.strerror or exc}"
+                          + (f" ({exc.filename})" if exc.filename else "")) from None
         return {"id": rid, "state": "running", "started": time.time()}
 
     @router.route("POST", "/v1/assets/{asset}/ask", change=False)
