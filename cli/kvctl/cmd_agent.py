@@ -69,7 +69,7 @@ def report_run_weekly(ctx: typer.Context,
                       asset: Annotated[str, typer.Option("--asset", "-a", help="asset name")],
                       wait: WaitOpt = False, socket: SocketOpt = None,
                       json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
-    """Write the weekly report of ASSET now."""
+    """Write the weekly report of an asset (--asset) now."""
     _run(opts(ctx, socket, json_out, timeout), {"kind": "weekly", "asset": asset}, wait)
 
 
