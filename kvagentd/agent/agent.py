@@ -233,6 +233,16 @@ class Agent:
         return {**row, "t": now, "asset": st.asset.name,
                 "note": f"not recorded in the event log: {st.unrecorded_error}"}
 
+    def _record(self, st: AssetState, **row: Any) -> int:
+        """Append a row of `st`'s asset to the event log (raises UNRECORDABLE); the first row
+        recorded after some were not ends that spell."""
+        eid = self.events.append(asset=st.asset.name, **row)
+        if st.unrecorded:
+            log.warning("agent.ticks_recorded_again", asset=st.asset.name,
+                        not_recorded=st.unrecorded)
+            st.unrecorded = 0
+        return eid
+
     def _tick_job(self, asset: str) -> None:
         st = self.assets[asset]
         with st.lock, self._in_beat():
@@ -258,8 +268,7 @@ class Agent:
         st.bad[reason] += 1
         log.info("agent.bad_data", asset=st.asset.name, reason=reason, detail=detail)
         try:
-            eid = self.events.append(t=now, asset=st.asset.name, kind="bad_data",
-                                     note=f"{reason}: {detail}")
+            eid = self._record(st, t=now, kind="bad_data", note=f"{reason}: {detail}")
             self.events.complete(eid, assessment=None, latency_s=time.perf_counter() - t0)
             return self.events.get(eid) or {}
         except UNRECORDABLE as exc:
@@ -293,18 +302,15 @@ class Agent:
             note = f"{note}; " if note else ""
             note += f"llm: the asset's sessions are written by box {held_by}"
         use_llm = a.llm and self.model is not None and held_by is None
+        measured = {"kind": "tick", "zone": diagnosis.zone, "anomaly": diagnosis.anomaly,
+                    "features": features, "diagnosis": d}
         try:
             turn = self._next_turn(st, now, prompts.observation(now, d)) if use_llm else None
-            eid = self.events.append(t=now, asset=a.name, features=features,
-                                     zone=diagnosis.zone, anomaly=diagnosis.anomaly,
-                                     session=turn[0] if turn else None, note=note, diagnosis=d)
+            eid = self._record(st, t=now, features=features, zone=diagnosis.zone,
+                               anomaly=diagnosis.anomaly, session=turn[0] if turn else None,
+                               note=note, diagnosis=d)
         except UNRECORDABLE as exc:  # no model turn either: its session could not be noted
-            return self._not_recorded(st, now, exc, {
-                "kind": "tick", "zone": diagnosis.zone, "anomaly": diagnosis.anomaly,
-                "features": features, "diagnosis": d})
-        if st.unrecorded and st.unrecorded_t is not None:
-            log.warning("agent.ticks_recorded_again", asset=a.name, not_recorded=st.unrecorded)
-            st.unrecorded = 0
+            return self._not_recorded(st, now, exc, measured)
         self.windows.offer(a.name, eid, now, window, diagnosis.anomaly)
         commentary, withheld = None, False
         if turn is not None:
@@ -318,9 +324,8 @@ class Agent:
                                  note=note or None, withheld=withheld)
             return self.events.get(eid) or {}
         except UNRECORDABLE as exc:
-            return self._not_recorded(st, now, exc, {
-                "id": eid, "kind": "tick", "zone": diagnosis.zone, "features": features,
-                "diagnosis": d, "assessment": commentary})
+            return self._not_recorded(st, now, exc,
+                                      {**measured, "id": eid, "assessment": commentary})
 
     def _comment(self, st: AssetState, d: dict[str, Any], session: str, text: str,
                  system: str | None, *, started: float) -> tuple[str | None, bool, str | None]:
