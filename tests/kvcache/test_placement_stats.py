@@ -202,3 +202,17 @@ def test_rows_of_unknown_keys_are_minus_one():
     st = AccessStats()
     assert st.rows_of([k("nope")]).tolist() == [-1]
     assert isinstance(st.keys_of(np.array([], dtype=np.int64)), list)
+
+
+def test_the_normal_cdf_of_the_reuse_model_matches_erfc_everywhere():
+    """The reuse model's CDF reads a uniform grid by index: it must agree with the exact
+    function inside the grid, at its edges and beyond them (clamped to 0 and 1)."""
+    from kvagentd.kvcache.placement.reuse import _norm_cdf
+
+    x = np.concatenate([np.linspace(-12.0, 12.0, 48_001), [-9.0, 9.0, -1e9, 1e9, 0.0]])
+    exact = np.array([0.5 * math.erfc(-z / math.sqrt(2.0)) for z in x])
+    got = _norm_cdf(x.copy())
+    assert np.max(np.abs(got - exact)) < 4e-6
+    assert got[-3] < 1e-15
+    assert got[-2] == pytest.approx(1.0)
+    assert np.all(np.diff(got[:48_001]) >= 0)  # monotone, as a CDF

@@ -49,13 +49,22 @@ def reuse_model(stats: AccessStats, rows: np.ndarray, tables: ReuseTables
     return q, mu, s
 
 
-_Z = np.linspace(-9.0, 9.0, 3601)
+_Z_LO, _Z_STEPS = -9.0, 3600  # the grid: z in [-9, 9] in steps of 0.005
+_Z = np.linspace(_Z_LO, -_Z_LO, _Z_STEPS + 1)
 _PHI = 0.5 * np.array([math.erfc(-z / math.sqrt(2.0)) for z in _Z])
+_DPHI = np.append(np.diff(_PHI), 0.0)  # slope per grid step
 
 
 def _norm_cdf(x: np.ndarray) -> np.ndarray:
-    """Standard normal CDF, interpolated on a 0.005 grid (|error| < 4e-6)."""
-    out: np.ndarray = np.interp(x, _Z, _PHI)
+    """Standard normal CDF, linearly interpolated on a 0.005 grid (|error| < 4e-6).
+
+    The grid is uniform, so the cell is an index computed from x, not searched for (np.interp
+    searches: about 10x the cost on a round's few thousand candidates)."""
+    u = (x - _Z_LO) * (_Z_STEPS / (-2.0 * _Z_LO))
+    np.clip(u, 0.0, float(_Z_STEPS), out=u)
+    i = u.astype(np.intp)
+    u -= i
+    out: np.ndarray = _PHI[i] + u * _DPHI[i]
     return out
 
 
