@@ -80,12 +80,11 @@ class Candidates:
 
     def without(self, rows: np.ndarray, stats: AccessStats) -> Candidates:
         """These candidates but `rows` (row-based candidates only)."""
-        if self.keys is not None or rows.size == 0:
+        if self.keys is not None or rows.size == 0 or self.rows.size == 0:
             return self
-        drop = stats.common(rows, self.rows)
-        if drop.size == 0:
+        keep = stats.absent(self.rows, rows)
+        if keep.all():
             return self
-        keep = ~np.isin(self.rows, drop)
         return Candidates(self.rows[keep], self.tier[keep])
 
     def keys_at(self, stats: AccessStats, idx: np.ndarray) -> list[BlockKey]:
@@ -149,6 +148,19 @@ class _Budget:
         return out
 
 
+def _lowest(score: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the `n` lowest scores, lowest first (ties in index order); a partition,
+    then a sort of only the `n` taken."""
+    if n <= 0:
+        return np.zeros(0, dtype=np.intp)
+    if n >= score.size:
+        return np.argsort(score, kind="stable")
+    idx = np.argpartition(score, n - 1)[:n]
+    idx.sort()  # index order first, so the stable sort breaks ties by index
+    out: np.ndarray = idx[np.argsort(score[idx], kind="stable")]
+    return out
+
+
 def _batch(stats: AccessStats, c: Candidates, idx: np.ndarray, src: Tier, dst: Tier,
            reason: Reason) -> list[MoveBatch]:
     if idx.size == 0:
@@ -172,7 +184,7 @@ def _demotions(view: RoundView, stats: AccessStats, p: PolicyParams,
     s_hot = score.get(Tier.HOT, np.zeros(0))
     s_warm = score.get(Tier.WARM, np.zeros(0))
     n_hot = min(view.need(Tier.HOT, p), len(hot))
-    v_hot = budget.take(np.argsort(s_hot, kind="stable")[:max(0, n_hot)])
+    v_hot = budget.take(_lowest(s_hot, n_hot))
     # warm room: its head-room once the hot victims have arrived
     cap_w = view.caps.warm
     short_w = (p.headroom(cap_w) + v_hot.size - view.free.get(Tier.WARM, 0)
@@ -183,13 +195,13 @@ def _demotions(view: RoundView, stats: AccessStats, p: PolicyParams,
         out = s_hot[v_hot] < cold_below
     if direct_to_cold and n_warm > 0 and v_hot.size:
         s = np.concatenate([s_warm, s_hot[v_hot]])
-        order = np.argsort(s, kind="stable")[:min(n_warm, s.size)]
+        order = _lowest(s, n_warm)
         from_warm = order[order < len(warm)]
         out[order[order >= len(warm)] - len(warm)] = True
     elif cold_below is not None:
-        from_warm = np.argsort(s_warm, kind="stable")[:max(0, n_warm - int(out.sum()))]
+        from_warm = _lowest(s_warm, n_warm - int(out.sum()))
     else:
-        from_warm = np.argsort(s_warm, kind="stable")[:max(0, n_warm)]
+        from_warm = _lowest(s_warm, n_warm)
     from_warm = budget.take(from_warm)
     # what warm cannot take (budget spent, or no candidates to free its room) goes to cold
     room_w = view.free.get(Tier.WARM, 0) + from_warm.size
@@ -267,9 +279,14 @@ class ReusePolicy(PlacementPolicy):
 
     def plan(self, view: RoundView, stats: AccessStats, heat: HeatMap | None) -> Plan:
         budget = _Budget(self.params.max_moves(view.caps))
-        tables = reuse_tables(stats)
-        score = {t: reuse_density(stats, c.rows, view.now, tables, stats.hold_s)
-                 for t, c in view.victims.items()}
+        # one density call over every candidate: its cost is mostly per call, not per row
+        tiers = list(view.victims)
+        rows = [view.victims[t].rows for t in tiers]
+        if not rows:
+            return Plan((), self.name)
+        dens = reuse_density(stats, np.concatenate(rows) if len(rows) > 1 else rows[0],
+                             view.now, reuse_tables(stats), stats.hold_s)
+        score = dict(zip(tiers, np.split(dens, np.cumsum([r.size for r in rows])[:-1])))
         moves = _demotions(view, stats, self.params, score, Reason.REUSE, budget,
                            direct_to_cold=True)
         return Plan(tuple(moves), self.name, _considered(view))

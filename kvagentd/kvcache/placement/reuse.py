@@ -42,7 +42,8 @@ def reuse_model(stats: AccessStats, rows: np.ndarray, tables: ReuseTables
     """Per row: reuse odds (its category and use count), and the mean and deviation of the log
     time to its next use (its own gaps when it has some, else its category's)."""
     c = stats.cat[rows]
-    q = tables.odds[c, np.minimum(stats.count[rows] + stats.base[rows], CLASSES)]
+    q = tables.odds.ravel()[c * (CLASSES + 1) + np.minimum(stats.count[rows] + stats.base[rows],
+                                                           CLASSES)]
     own = stats.gaps[rows] > 0
     mu = np.where(own, stats.gap_mu[rows], tables.mu[c])
     s = np.where(own, np.sqrt(np.maximum(stats.gap_var[rows], 0.04)), tables.sigma[c])

@@ -396,7 +396,7 @@ class AccessStats:
             return
         new = rows[~member[rows]]
         if new.size:
-            new = np.unique(new)
+            new = self.distinct(new)
             member[new] = True
             buf, n = self._members[code], self._mlen[code]
             if n + new.size > buf.size:
@@ -418,6 +418,13 @@ class AccessStats:
         self._scratch[b] = -1
         self._scratch[a] = -2
         out: np.ndarray = b[self._scratch[b] == -2]
+        return out
+
+    def absent(self, rows: np.ndarray, drop: np.ndarray) -> np.ndarray:
+        """Mask of the entries of `rows` that are not in `drop`, in O(len(rows) + len(drop))."""
+        self._scratch[rows] = 0
+        self._scratch[drop] = 1
+        out: np.ndarray = self._scratch[rows] == 0
         return out
 
     def sample_tier(self, code: int, n: int, rng: np.random.Generator) -> np.ndarray:
