@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 
@@ -132,3 +133,37 @@ def test_warmup_wants_orders_and_splits():
     summary = [SessionSummary("a", 5.0, (k("a", 0), k("a", 1))), SessionSummary("b", 1.0, (k("b", 0),))]
     got = p.warmup_wants(summary, 2, hot_blocks=1)
     assert got == [([k("a", 1)], Tier.HOT), ([k("a", 0)], Tier.WARM), ([k("b", 0)], Tier.WARM)]
+
+
+def test_a_predicted_block_is_raised_once_per_predicted_use_not_every_round():
+    """A session with a steady beat whose blocks are cold by heat, in a hot tier that other
+    traffic keeps full: its blocks are raised before each use and stay up until it comes.
+    Without that, heat demotes what prefetch raised and the next round raises it again: a loop
+    that moves bytes every round for nothing."""
+    env = Env(Capacities(12, 6), 80, "heat+prefetch", sessions=("beat", "busy"))
+    beat = [0, 1, 2]
+    promoted: Counter = Counter()
+    demoted: Counter = Counter()
+    hits = 0
+    t, nxt, busy = 0.0, 70, 10
+    for r in range(120):
+        env.clock.t = t
+        if r % 8 == 0:  # every 8 s, on the beat
+            if r >= 40:
+                hits += env.tiers(beat).count(Tier.HOT)
+            env.use(t, beat, 0)
+        ids = list(range(busy, busy + 6))  # the busy session: new blocks each second
+        busy = 10 + (busy + 6 - 10) % 60
+        env.use(t + 0.5, ids, 1)
+        env.clock.t = t + 0.9
+        env.store.complete_pending(env.clock.t)
+        for m in env.svc.run_round():
+            if int.from_bytes(m.key, "big") in beat:
+                (promoted if m.dst.above(m.src) else demoted)[m.reason.value] += 1
+        t += 1.0
+    assert env.svc.prefetcher.counts["predict"] > 0
+    # each of the 15 beats raises the three blocks at most once, and heat does not send them
+    # back down while the wish lasts (before the fix: 29 such demotions, 0 hot at the beat)
+    assert 0 < promoted["prefetch-predict"] <= len(beat) * 15, (promoted, demoted)
+    assert demoted["heat"] < 10, demoted
+    assert hits >= 15  # of 30 uses after the first 40 s, most find their blocks in hot

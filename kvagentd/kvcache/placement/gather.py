@@ -71,6 +71,10 @@ class Gatherer:
                 victims = {t: c.without(both, self.stats) for t, c in victims.items()}
         if len(risers):  # the store's word (risers) over placement's belief (victims)
             victims = {t: c.without(risers.rows, self.stats) for t, c in victims.items()}
+        if wants:  # a block wished for is not moved down while the wish lasts (else the
+            # next round raises it again: a loop that moves bytes for nothing)
+            wished = np.fromiter(wants, np.int64, len(wants))
+            victims = {t: c.without(wished, self.stats) for t, c in victims.items()}
         self.stats.trim_arrived(4 * (caps.hot + caps.warm))
         return RoundView(now, caps, free, victims, risers, wants, incoming)
 
