@@ -88,6 +88,29 @@ def test_reuse_odds_follow_the_category_and_use_count():
     assert math.exp(float(mu[0])) == pytest.approx(30.0, rel=1e-3) and s[0] > 0
 
 
+def test_a_block_new_in_a_later_turn_is_counted_in_its_sessions_use_class():
+    """A block first used in a conversation's third turn inherits the two uses of the
+    session's history, so it reaches use class 3, and its next use is a reuse of class 3: both
+    counts in the same class. (Counting it as reaching class 1 and coming back in class 3 made
+    first uses look rarely reused and later ones more than they are.)"""
+    st = AccessStats()
+    sys_, conv = [k("sys")], [k("c", 0)]
+    for i, t in enumerate((0.0, 100.0, 200.0)):
+        conv = conv + [k("c", i + 1)]
+        st.record([ev(sys_ + conv, "chat", t)])
+    c = st.cat[st.rows_of([k("c", 0)])[0]]
+    reached = st.reached[c].copy()
+    st.record([ev(sys_ + conv + [k("c", 9)], "chat", 300.0)])  # c:9 new in the 4th turn
+    new = st.rows_of([k("c", 9)])[0]
+    assert st.base[new] == 3  # the uses of its session's history, inherited from c:3
+    grew = st.reached[c] - reached
+    assert grew[1] == 0  # nothing new reached class 1 in this request
+    reused = st.reused[c].copy()
+    st.record([ev(sys_ + conv + [k("c", 9)], "chat", 400.0)])
+    assert (st.reused[c] - reused)[1] == 0  # c:9's return is counted in class 3 ...
+    assert grew[3] >= 1  # ... where its first use was counted as reaching
+
+
 def test_density_charges_a_block_unlikely_to_return_the_slot_time_it_would_waste():
     """LHD's hit density: a block that rarely comes back (a one-shot document) is charged
     `hold_s`, so the longer placement holds blocks, the lower it ranks, while one that almost

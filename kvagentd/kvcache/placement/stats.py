@@ -176,16 +176,18 @@ class AccessStats:
         self.gaps[new_rows] = 0
         self.gap_mu[new_rows] = 0.0
         self.gap_var[new_rows] = 0.0
-        # reuse counts by category and use count
         cnt = self.count[rs] + occ  # uses before this one
-        eff = cnt + self.base[rs]  # ... counting its session's history
         cs = self.cat[rs]
         reused = ~fresh_s
+        self._learn_gaps(rs, ts - prev_t, reused, cs)
+        self._inherit(rows, fresh, ev, offsets, owners_ev)
+        # reuse counts by category and use count; after `_inherit`, so that a block new in a
+        # session's k-th turn reaches class k (its session's history) as it is used again in
+        # class k, not class 1 (which made class 1 look rarely reused and class 2 more than it is)
+        eff = cnt + self.base[rs]  # ... counting its session's history
         cell = cs * (CLASSES + 1)
         np.add.at(self._reused_flat, (cell + np.minimum(eff, CLASSES))[reused], 1.0)
         np.add.at(self._reached_flat, cell + np.minimum(eff + 1, CLASSES), 1.0)
-        self._learn_gaps(rs, ts - prev_t, reused, cs)
-        self._inherit(rows, fresh, ev, offsets, owners_ev)
         last = np.ones(n, dtype=bool)
         last[:-1] = first[1:]
         self.last_t[rs[last]] = ts[last]
