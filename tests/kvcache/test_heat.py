@@ -73,3 +73,30 @@ def test_rebase_keeps_heat():
     assert h._base > 0
     expected = [sum(1.0 / (30 - t) for t in range(30) if t % 3 == r) for r in range(3)]
     assert before.tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def test_rows_read_in_buckets_of_their_tick_count_have_the_exact_heat():
+    """Rows used once, a few times, tens of times and more than the window (wrapped rings),
+    recorded in batches with repeats: each row's heat is the sum over its last W ticks."""
+    rng = np.random.default_rng(3)
+    w = 50
+    h = HeatMap(w, capacity=16)
+    uses: dict[int, list[int]] = {}
+    tick = 0
+    for _ in range(60):
+        rows = rng.choice(400, size=40) % (1 + rng.integers(0, 400, size=40))  # skewed
+        rows = np.sort(np.concatenate([rows, [7] * 3]))  # row 7 wraps its ring
+        ticks = tick + np.arange(rows.size) // 8
+        h.record(rows.astype(np.int64), ticks.astype(np.int64))
+        for r, t in zip(rows.tolist(), ticks.tolist()):
+            uses.setdefault(r, []).append(t)
+        tick = int(ticks[-1]) + 1
+    h.clear(np.array([0]))  # a forgotten row reads cold, then starts over
+    uses.pop(0, None)
+    h.record(np.array([0]), np.array([tick - 1]))
+    uses[0] = [tick - 1]
+    probe = np.arange(-1, 420)
+    want = [sum(1.0 / max(1, tick - t) for t in sorted(uses.get(r, []))[-w:]) for r in probe]
+    counts = {len(v) for v in uses.values()}
+    assert min(counts) == 1 and max(counts) > w  # every bucket is exercised
+    assert h.heat(probe, tick).tolist() == pytest.approx(want, rel=1e-5)

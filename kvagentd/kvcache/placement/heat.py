@@ -3,8 +3,11 @@
 Ticks count inference events (one recorded event = one tick), not wall time. Storage is dense
 and vectorized over the rows of placement's `AccessStats`: row `i` of a `(rows, W)` float32
 array is the ring buffer of block `i`'s last W access ticks (empty entries are -inf, so they
-contribute 1/inf = 0). Recording an event and computing the heat of k rows are O(k x W); no
-operation looks at every row. Ticks are stored relative to a base that moves forward before
+contribute 1/inf = 0). A row's ring fills from slot 0 and wraps only once it holds W ticks, so
+the heat of a row with n < W ticks reads only its first n slots: rows are read in buckets of
+how many ticks they hold (most blocks are used a few times), exactly. Recording an event is
+O(k) for k accesses and computing the heat of k rows at most O(k x W); no operation looks at
+every row. Ticks are stored relative to a base that moves forward before
 float32 loses integer precision (2^24). Kept only by the policies that rank by heat.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 _REBASE_AT = float(1 << 23)  # relative ticks stay < 2^24: exact in float32
+_BUCKETS = (4, 32)  # rows holding at most this many ticks are read on that many slots
 
 
 class HeatMap:
@@ -25,6 +29,7 @@ class HeatMap:
         cap = max(16, capacity)
         self._ticks = np.full((cap, window), -np.inf, dtype=np.float32)
         self._pos = np.zeros(cap, dtype=np.int32)  # next ring slot per row
+        self._n = np.zeros(cap, dtype=np.int32)  # ticks held per row (<= window)
         self._base = 0  # absolute tick of relative 0
 
     @property
@@ -41,6 +46,7 @@ class HeatMap:
         ticks[:old] = self._ticks
         self._ticks = ticks
         self._pos = np.concatenate([self._pos, np.zeros(new - old, np.int32)])
+        self._n = np.concatenate([self._n, np.zeros(new - old, np.int32)])
 
     def record(self, rows: np.ndarray, ticks: np.ndarray) -> None:
         """Access `i` used row `rows[i]` at absolute tick `ticks[i]` (ticks non-decreasing;
@@ -64,12 +70,14 @@ class HeatMap:
         last = np.ones(rs.size, dtype=bool)
         last[:-1] = rs[1:] != rs[:-1]
         self._pos[rs[last]] = (pos[last] + 1) % self.window
+        self._n[rs[last]] = np.minimum(self._n[rs[last]] + occ[last] + 1, self.window)
 
     def clear(self, rows: np.ndarray) -> None:
         """Forget the history of `rows` (their blocks are gone; the rows will be reused)."""
         rows = rows[rows < self.capacity]
         self._ticks[rows] = -np.inf
         self._pos[rows] = 0
+        self._n[rows] = 0
 
     def heat(self, rows: np.ndarray, now: int) -> np.ndarray:
         """Heat of `rows` at absolute tick `now` (float32; rows never recorded have 0)."""
@@ -77,10 +85,22 @@ class HeatMap:
         ok = (rows >= 0) & (rows < self.capacity)
         if not ok.any():
             return out
-        b = np.float32(now - self._base) - self._ticks[rows[ok]]
-        np.maximum(b, 1.0, out=b)
-        np.reciprocal(b, out=b)
-        out[ok] = b.sum(axis=1)
+        now32 = np.float32(now - self._base)
+        idx = np.flatnonzero(ok)
+        held = self._n[rows[idx]]
+        lo = 0
+        for width in (*_BUCKETS, self.window):
+            width = min(width, self.window)
+            sel = idx[(held > lo) & (held <= width)] if width < self.window else idx[held > lo]
+            lo = width
+            if sel.size == 0:
+                continue
+            b = now32 - self._ticks[rows[sel], :width]
+            np.maximum(b, 1.0, out=b)
+            np.reciprocal(b, out=b)
+            out[sel] = b.sum(axis=1)
+            if width == self.window:
+                break
         return out
 
     def _rebase(self, tick: int) -> None:
