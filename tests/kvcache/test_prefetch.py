@@ -145,7 +145,7 @@ def test_a_predicted_block_is_raised_once_per_predicted_use_not_every_round():
     promoted: Counter = Counter()
     demoted: Counter = Counter()
     hits = 0
-    t, nxt, busy = 0.0, 70, 10
+    t, busy = 0.0, 10
     for r in range(120):
         env.clock.t = t
         if r % 8 == 0:  # every 8 s, on the beat
