@@ -44,6 +44,7 @@ class SimResult:
     decided_accesses: int  # distinct blocks used between rounds, summed over rounds
     wall_s: float
     moves: dict[str, int] = field(default_factory=dict)
+    prefetched: dict[str, int] = field(default_factory=dict)  # what became of raised blocks
 
     @property
     def hot_hit_rate(self) -> float:
@@ -88,7 +89,7 @@ class SimResult:
                 "rounds": self.rounds,
                 "decision_us_per_accessed_block": self.decision_us_per_accessed_block,
                 "sim_wall_s": self.wall_s, "sim_accesses_per_s": self.accesses_per_s,
-                "moves": self.moves}
+                "moves": self.moves, "prefetched_blocks": self.prefetched}
 
 
 def _placement_store(store: SimStore) -> PlacementStore:
@@ -161,4 +162,5 @@ def simulate(trace: RequestTrace, policy: str, caps: Capacities, *,
     wall = time.perf_counter() - wall0
     distinct = int(len(set(blocks.tolist()))) if n else 0
     return SimResult(policy, trace.name, caps, n, trace.accesses, trace.accesses - distinct,
-                     store.c, svc.rounds, svc.decision_s, svc.decided_accesses, wall, moves)
+                     store.c, svc.rounds, svc.decision_s, svc.decided_accesses, wall, moves,
+                     svc.stats.prefetch_outcomes())

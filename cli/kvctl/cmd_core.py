@@ -191,9 +191,15 @@ def _batch_summary(ex: dict[str, Any]) -> list[str]:
 def _placement_summary(v: dict[str, Any]) -> list[str]:
     last = v.get("last_round") or {}
     moves = sum((last.get("moves") or {}).values()) if last else 0
-    return [f"placement {v.get('policy', '?')}  rounds {v.get('rounds', 0)}  errors "
-            f"{v.get('errors', 0)}  last round {moves} moves, planned in "
-            f"{1000 * (last.get('decision_s') or 0):.1f} ms"]
+    out = [f"placement {v.get('policy', '?')}  rounds {v.get('rounds', 0)}  errors "
+           f"{v.get('errors', 0)}  last round {moves} moves, planned in "
+           f"{1000 * (last.get('decision_s') or 0):.1f} ms"]
+    pre = v.get("prefetched_blocks") or {}
+    if pre.get("raised"):
+        out.append(f"         prefetched {pre['raised']} blocks: {pre.get('used', 0)} used, "
+                   f"{pre.get('wasted', 0)} moved down or dropped unused, "
+                   f"{pre.get('waiting', 0)} waiting")
+    return out
 
 
 def _maintenance_summary(v: dict[str, Any]) -> list[str]:

@@ -203,6 +203,10 @@ def test_status_summarizes_services_it_knows(h: Harness, capsys: pytest.CaptureF
                                         "ticks": 9, "skipped_ticks": 1,
                                         "bad_samples_total": 0, "session": "pump-1-2"}}},
         "engine": {"model": "SmolLM2", "executor": "not a dict"},
+        "placement": {"policy": "heat+prefetch", "rounds": 7, "errors": 0,
+                      "last_round": {"moves": {"demote:heat": 3}, "decision_s": 0.0012},
+                      "prefetched_blocks": {"raised": 40, "used": 31, "wasted": 6,
+                                            "waiting": 3}},
     }
     code, out, _ = kvctl(capsys, "--socket", str(h.path), "status")
     assert code == 0
@@ -212,3 +216,5 @@ def test_status_summarizes_services_it_knows(h: Harness, capsys: pytest.CaptureF
     row = next(line for line in out.splitlines() if line.startswith("pump-1"))
     assert row.split()[:2] == ["pump-1", "C"] and "pump-1-2" in row
     assert "engine:" in out and "executor: not a dict" in out  # unexpected shape: every field
+    assert "placement heat+prefetch  rounds 7" in out and "last round 3 moves" in out
+    assert "prefetched 40 blocks: 31 used, 6 moved down or dropped unused, 3 waiting" in out

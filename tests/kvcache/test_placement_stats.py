@@ -239,3 +239,30 @@ def test_the_normal_cdf_of_the_reuse_model_matches_erfc_everywhere():
     assert got[-3] < 1e-15
     assert got[-2] == pytest.approx(1.0)
     assert np.all(np.diff(got[:48_001]) >= 0)  # monotone, as a CDF
+
+
+def test_prefetched_blocks_are_counted_used_or_wasted_once():
+    """A raised block is used (counted once, however often it is used), moved below the tier
+    it was raised to before any use (wasted), moved up and back (still waiting), or forgotten
+    by placement before any use (wasted)."""
+    st = AccessStats()
+    keys = [k("b", i) for i in range(5)]
+    rows = st.ensure_rows(keys)
+    st.moved(rows, HOT)
+    st.note_raised(rows[:2], HOT)
+    st.moved(rows[2:4], WARM)
+    st.note_raised(rows[2:4], WARM)
+    st.note_raised(rows[:1], HOT)  # raised again before its use: one block, counted once
+    assert st.prefetch_outcomes() == {"raised": 4, "used": 0, "wasted": 0, "waiting": 4}
+    st.record([ev([keys[0], keys[0]], "s", 1.0)])  # used (twice in one request: once)
+    st.record([ev([keys[0]], "s", 2.0)])
+    st.moved(rows[1:2], WARM)  # raised to hot, moved down unused
+    st.moved(rows[2:3], HOT)  # raised to warm, then further up: still waiting
+    st.moved(rows[3:4], NONE)  # evicted unused
+    assert st.prefetch_outcomes() == {"raised": 4, "used": 1, "wasted": 2, "waiting": 1}
+    st.moved(rows[2:3], WARM)  # back to warm, where it was raised to: not below it
+    assert st.prefetch_outcomes()["waiting"] == 1
+    st.forget(rows[2:3])  # the store dropped it: never used
+    assert st.prefetch_outcomes() == {"raised": 4, "used": 1, "wasted": 3, "waiting": 0}
+    st.record([ev([keys[4]], "s", 3.0)])  # never raised: not a prefetch's
+    assert st.prefetch_outcomes()["used"] == 1

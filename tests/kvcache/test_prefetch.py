@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 import numpy as np
+from prometheus_client import generate_latest
 
 from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.placement.base import CODE_OF, Capacities, Reason
@@ -95,6 +96,10 @@ def test_service_turns_a_cold_read_into_a_background_prefetch():
     assert env.tiers(blocks[2:]) == [Tier.WARM] * 4
     env.use(5.5, blocks[:2])  # from hot now: nothing more to prefetch
     assert env.svc.flush_prefetch() == 0
+    env.use(6.0, blocks[2:5])  # three of the four prefetched blocks are read
+    env.svc.ingest()
+    assert env.svc.status()["prefetched_blocks"] == {"raised": 4, "used": 3, "wasted": 0,
+                                                     "waiting": 1}
 
 
 def test_lru_and_reuse_do_not_prefetch_neighbours():
@@ -167,3 +172,8 @@ def test_a_predicted_block_is_raised_once_per_predicted_use_not_every_round():
     assert 0 < promoted["prefetch-predict"] <= len(beat) * 15, (promoted, demoted)
     assert demoted["heat"] < 10, demoted
     assert hits >= 15  # of 30 uses after the first 40 s, most find their blocks in hot
+    outcomes = env.svc.status()["prefetched_blocks"]
+    assert outcomes["used"] > outcomes["wasted"], outcomes  # what an operator sees of it
+    metrics = generate_latest(env.svc.registry).decode()
+    assert f'kvagentd_placement_prefetched_blocks{{outcome="used"}} {outcomes["used"]}.0' \
+        in metrics

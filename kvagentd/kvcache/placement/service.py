@@ -139,7 +139,7 @@ class PlacementService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._job: Any = None
-        reg = registry if registry is not None else CollectorRegistry()
+        self.registry = reg = registry if registry is not None else CollectorRegistry()
         self._m_rounds = Counter("kvagentd_placement_rounds", "Placement rounds run",
                                  registry=reg)
         self._m_errors = Counter("kvagentd_placement_errors", "Placement rounds or prefetches "
@@ -150,6 +150,10 @@ class PlacementService:
                                  "Time to plan the last round", registry=reg)
         self._m_blocks = Gauge("kvagentd_placement_blocks", "Blocks considered last round",
                                registry=reg)
+        self._m_prefetched = Gauge("kvagentd_placement_prefetched_blocks",
+                                   "Blocks raised by prefetches, by what became of them "
+                                   "(used, wasted: moved down or dropped unused, waiting)",
+                                   ["outcome"], registry=reg)
 
     def _heat_for(self, policy: PlacementPolicy, current: HeatMap | None) -> HeatMap | None:
         """The heat map `policy` needs: `current` when it fits, a fresh one, or none."""
@@ -214,7 +218,8 @@ class PlacementService:
             n += moved
             if moved:
                 self._m_moves.labels("promote", u.reason.value).inc(moved)
-                self._believe(list(u.keys), u.tier)
+                rows = self._believe(list(u.keys), u.tier)
+                self.stats.note_raised(rows, CODE_OF[u.tier])
         return n
 
     def _make_room(self, tier: Tier, n: int) -> int:
@@ -233,10 +238,13 @@ class PlacementService:
             self._believe(victims, lower)
         return moved
 
-    def _believe(self, keys: Sequence[BlockKey], tier: Tier | None) -> None:
-        """Placement's belief of where `keys` are, after moving them (prefetch, room)."""
+    def _believe(self, keys: Sequence[BlockKey], tier: Tier | None) -> np.ndarray:
+        """Placement's belief of where `keys` are, after moving them (prefetch, room); returns
+        the rows of those it knows."""
         rows = self.stats.rows_of(keys)
-        self.stats.moved(rows[rows >= 0], CODE_OF[tier])
+        rows = rows[rows >= 0]
+        self.stats.moved(rows, CODE_OF[tier])
+        return rows
 
     # ------------------------------------------------------------------ rounds
     def run_round(self) -> Plan:
@@ -270,6 +278,9 @@ class PlacementService:
             self._m_rounds.inc()
             self._m_decision.set(t1 - t0)
             self._m_blocks.set(plan.considered)
+            for outcome, n in self.stats.prefetch_outcomes().items():
+                if outcome != "raised":
+                    self._m_prefetched.labels(outcome).set(n)
         if self.rounds % SUMMARY_EVERY_ROUNDS == 0:
             self.save_summary()
         return plan
@@ -299,6 +310,8 @@ class PlacementService:
                 self._m_moves.labels(b.action.value, b.reason.value).inc(n)
             if b.rows is not None:
                 self.stats.moved(b.rows, CODE_OF[b.dst])
+                if b.reason.is_prefetch and b.action is Action.PROMOTE and b.dst is not None:
+                    self.stats.note_raised(b.rows, CODE_OF[b.dst])
         return moved
 
     def _sweep(self) -> None:
@@ -359,6 +372,7 @@ class PlacementService:
             n += moved
             if moved:
                 self._m_moves.labels("promote", "warmup").inc(moved)
+                self.stats.note_raised(self.stats.ensure_rows(keys), CODE_OF[tier])
         self.warmed_up = n
         log.info("placement.warmed_up", blocks=n,
                  sessions=min(len(summary), self.config.warmup_sessions))
@@ -438,5 +452,6 @@ class PlacementService:
                 "feed": {"recorded": self.feed.recorded, "dropped": self.feed.dropped,
                          "pending": len(self.feed)},
                 "prefetch": self.prefetcher.stats() if self.policy.uses_prefetch else None,
+                "prefetched_blocks": self.stats.prefetch_outcomes(),
                 "trace": {"capacity": self.trace.capacity, "events": len(self.trace),
                           "recorded": self.trace.recorded}}

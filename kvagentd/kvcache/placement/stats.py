@@ -87,6 +87,7 @@ class AccessStats:
         self.owner = np.zeros(cap, dtype=np.int64)  # hash of the session that first used it
         self.base = np.zeros(cap, dtype=np.int32)  # uses of its session's history before it
         self.tier = np.zeros(cap, dtype=np.int8)
+        self.raised = np.zeros(cap, dtype=np.int8)  # tier a prefetch raised it to, until used
         self._scratch = np.zeros(cap, dtype=np.int64)  # for `distinct` / `common`
         self.keys = np.full(cap, None, dtype=object)  # row -> its block key (None: free)
         self.index: dict[BlockKey, int] = {}
@@ -120,6 +121,11 @@ class AccessStats:
         # how long a block stays in hot before placement moves it out (seconds since its last
         # use, smoothed over rounds); None until placement has moved one (see `note_left_hot`)
         self.hold_s: float | None = None
+        # what became of the blocks prefetches raised: used before placement moved them down
+        # (or forgot them), or not
+        self.prefetch_raised = 0
+        self.prefetch_used = 0
+        self.prefetch_wasted = 0
 
     def __len__(self) -> int:
         return len(self.index)
@@ -188,6 +194,10 @@ class AccessStats:
         cell = cs * (CLASSES + 1)
         np.add.at(self._reused_flat, (cell + np.minimum(eff, CLASSES))[reused], 1.0)
         np.add.at(self._reached_flat, cell + np.minimum(eff + 1, CLASSES), 1.0)
+        raised = rs[first][self.raised[rs[first]] != NONE]
+        if raised.size:  # raised by a prefetch, and now used
+            self.prefetch_used += int(raised.size)
+            self.raised[raised] = NONE
         last = np.ones(n, dtype=bool)
         last[:-1] = first[1:]
         self.last_t[rs[last]] = ts[last]
@@ -292,7 +302,7 @@ class AccessStats:
         old = self.live.shape[0]
         new = old * 2
         for name in ("live", "last_t", "last_tick", "count", "gap_mu", "gap_var", "gaps", "cat",
-                     "owner", "base", "tier", "_scratch"):
+                     "owner", "base", "tier", "raised", "_scratch"):
             a = getattr(self, name)
             b = np.zeros(new, dtype=a.dtype)
             b[:old] = a
@@ -348,6 +358,9 @@ class AccessStats:
             if k is None:
                 continue
             del self.index[k]
+            if self.raised[r] != NONE:
+                self.prefetch_wasted += 1
+                self.raised[r] = NONE
             self.keys[r] = None
             self.live[r] = False
             self.tier[r] = NONE
@@ -385,10 +398,37 @@ class AccessStats:
         self.hold_s = age if self.hold_s is None else self.hold_s + HOLD_ALPHA * (age - self.hold_s)
 
     def moved(self, rows: np.ndarray, code: int) -> None:
-        """`rows` were moved to tier `code` (NONE: evicted) by placement."""
+        """`rows` were moved to tier `code` (NONE: evicted) by placement. A block a prefetch
+        raised that goes below the tier it was raised to before it was used was raised for
+        nothing (`prefetch_wasted`)."""
+        was = self.raised[rows]
+        pending = was != NONE
+        if pending.any():
+            down = pending & ((code == NONE) | (was < code))
+            if down.any():
+                self.prefetch_wasted += int(np.count_nonzero(down))
+                self.raised[rows[down]] = NONE
         self.believe(rows, code)
         if code in self._arrived:
             self._arrive(code, rows)
+
+    def note_raised(self, rows: np.ndarray, code: int) -> None:
+        """A prefetch raised `rows` to tier `code` (after `moved`); rows already waiting for
+        their use keep the higher of the two tiers."""
+        was = self.raised[rows]
+        again = rows[(was != NONE) & (was > code)]
+        fresh = rows[was == NONE]
+        fresh = self.distinct(fresh) if fresh.size else fresh
+        self.prefetch_raised += int(fresh.size)
+        self.raised[fresh] = code
+        self.raised[again] = code
+
+    def prefetch_outcomes(self) -> dict[str, int]:
+        """Blocks prefetches raised: used since, moved down or dropped before any use
+        (wasted), and still waiting."""
+        return {"raised": self.prefetch_raised, "used": self.prefetch_used,
+                "wasted": self.prefetch_wasted,
+                "waiting": self.prefetch_raised - self.prefetch_used - self.prefetch_wasted}
 
     def believe(self, rows: np.ndarray, code: int) -> None:
         """Placement's belief: `rows` are in tier `code` (as of now)."""
