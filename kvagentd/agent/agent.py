@@ -333,6 +333,16 @@ class Agent:
         assert self.model is not None
         done = self.model.submit_tick(session, text, system, started=started)
         st.account(done, self.clock())
+        if done.outgrown:
+            # the session holds more than the hot pool can: it would fail every tick from now
+            # on, so the next tick starts a new one (agent.session_token_budget is more than
+            # kv.hot_bytes holds for this model)
+            st.force_rollover = True
+            log.warning("agent.session_outgrew_hot_pool", asset=st.asset.name, session=session,
+                        session_tokens=st.session_tokens,
+                        budget=self.config.session_token_budget,
+                        hint="lower agent.session_token_budget or raise kv.hot_bytes")
+            return None, False, f"{done.error}; the next tick starts a new session"
         if done.error is not None:
             return None, False, done.error
         if done.result is not None and done.result.finish_reason == "deadline":

@@ -25,7 +25,7 @@ import structlog
 
 from kvagentd.agent.beat import Beat
 from kvagentd.config import AgentConfig
-from kvagentd.engine.executor import GenerationRequest, Priority, QueueFull
+from kvagentd.engine.executor import GenerationRequest, HotPoolFull, Priority, QueueFull
 from kvagentd.engine.sequence import GenerationResult
 
 log = structlog.get_logger(__name__)
@@ -65,6 +65,7 @@ class Completion:
     text: str | None
     result: GenerationResult | None = None
     error: str | None = None
+    outgrown: bool = False  # the session no longer fits the hot pool (HotPoolFull)
 
     @property
     def ok(self) -> bool:
@@ -104,7 +105,8 @@ class ModelClient:
             return Completion(None, error="llm: timeout")
         except Exception as exc:  # noqa: BLE001 - a failed generation must not end the tick job
             log.warning("agent.llm_failed", session=session, error=repr(exc))
-            return Completion(None, error=f"llm: {type(exc).__name__}: {exc}")
+            return Completion(None, error=f"llm: {type(exc).__name__}: {exc}",
+                              outgrown=isinstance(exc, HotPoolFull))
         return Completion(res.text.strip(), res)
 
     def generate(self, session: str, text: str, system: str | None, *,

@@ -32,6 +32,8 @@ class AssetState:
     missed: int = 0
     rollovers: int = 0
     llm_errors: int = 0
+    llm_failing: int = 0  # model turns failed in a row (0 after one that answered)
+    llm_error: str | None = None  # the last failure
     commentaries: int = 0  # model answers checked against the diagnosis
     withheld: int = 0  # ... of which contradicted it and were not shown
     unrecorded: int = 0  # ticks not written to the event log since one was (disk full, I/O)
@@ -60,7 +62,10 @@ class AssetState:
         res = done.result
         if res is None:
             self.llm_errors += 1
+            self.llm_failing += 1
+            self.llm_error = done.error
             return
+        self.llm_failing = 0
         total = int(res.prompt_tokens) + int(res.new_tokens)
         self.turn_tokens = max(0, total - self.session_tokens)
         self.session_tokens = total

@@ -28,6 +28,9 @@ class AssetView(NamedTuple):
     bad_samples: dict[str, int]  # per reason, since start
     message_age_s: float | None = None  # MQTT: since the last message arrived (None: none yet)
     last_refused: str | None = None  # the newest window was refused: why ("stale: ...")
+    llm_failing: int = 0  # the asset's model turns failed in a row
+    llm_error: str | None = None  # the last failure
+    llm_errors: int = 0  # since start
 
 
 class _AssetState(Protocol):
@@ -37,6 +40,9 @@ class _AssetState(Protocol):
     source: SensorSource
     last_t: float | None
     bad: Any  # collections.Counter of bad-data reasons
+    llm_failing: int
+    llm_error: str | None
+    llm_errors: int
 
 
 def stale_after_s(config: AgentConfig) -> float:
@@ -76,4 +82,5 @@ def asset_view(st: _AssetState, last_row: dict[str, Any] | None, config: AgentCo
         bad_samples=dict(st.bad),
         message_age_s=message_age,
         last_refused=str(newest.get("note") or "refused")
-        if newest and newest.get("kind") == "bad_data" else None)
+        if newest and newest.get("kind") == "bad_data" else None,
+        llm_failing=st.llm_failing, llm_error=st.llm_error, llm_errors=st.llm_errors)

@@ -13,6 +13,8 @@ Each check, and what makes it degraded (D) or failing (F):
 - sensor:ASSET: F no usable data for the stale limit (`sensor_stale_s`, 0: the agent's own,
   two tick intervals plus a window), so the zone shown is old; D MQTT disconnected while the
   data is still fresh.
+- llm:ASSET: D the asset's last `LLM_FAILING_TURNS` model turns failed (its ticks still
+  measure and diagnose; their commentary is missing). Shown only once a turn has failed.
 - cold-tier: D on the shadow or restoring. read-only: D the SSD takes no new records.
   shadow-fill: D at `shadow_fill_degraded`, F at `shadow_fill_failing`.
 - checksum-failures, lost-blocks, cold-index: D when any since start or the last
@@ -48,6 +50,7 @@ def assess(cfg: Config, facts: Facts, acks: Acknowledgements) -> Report:
     for t in facts.ticks:
         checks += [ticks(t, h), skip_rate(t, h), tick_p99(t, h)]
     checks += [sensor(a, h) for a in facts.assets]
+    checks += [llm(a) for a in facts.assets if a.llm_errors]
     checks += list(_cold(facts, h, acks))
     if facts.wear is not None:
         checks.append(ssd_wear(facts.wear, h, cfg.maintenance.wear_readonly_percent))
@@ -185,6 +188,24 @@ def sensor(a: AssetView, h: HealthConfig) -> Check:
     if a.data_age_s is None:
         return Check(name, OK, f"{link}: waiting for the first window")
     return Check(name, OK, f"{link}, last window read {age(a.data_age_s)} ago")
+
+
+# one failed turn is a moment (a timeout under load, a full queue at the beat); three in a row,
+# about 9 s at the 3 s cadence, is a condition an operator should see
+LLM_FAILING_TURNS = 3
+
+
+def llm(a: AssetView) -> Check:
+    """Whether the asset's ticks get their commentary."""
+    name = f"llm:{a.name}"
+    if a.llm_failing >= LLM_FAILING_TURNS:
+        return Check(name, DEGRADED, f"the last {a.llm_failing} model turns failed, the last "
+                                     f"with {a.llm_error}; ticks still measure and diagnose "
+                                     f"({a.llm_errors} failed since start)")
+    if a.llm_failing:
+        return Check(name, OK, f"the last model turn failed ({a.llm_error}); "
+                               f"{a.llm_errors} failed since start")
+    return Check(name, OK, f"answering; {a.llm_errors} turns failed since start")
 
 
 def _bad(bad: dict[str, int]) -> str:

@@ -59,6 +59,36 @@ def test_rollover_starts_new_session_with_profile_and_summary(tmp_path, fake_exe
     assert ag.status()["assets"]["pump-1"]["rollovers"] == len(set(sessions)) - 1
 
 
+def test_a_session_that_outgrows_the_hot_pool_rolls_over_instead_of_failing_every_tick(
+        tmp_path, fake_executor, scheduler, clock):
+    """The engine refuses a session the hot pool cannot hold (HotPoolFull): with a session
+    budget larger than kv.hot_bytes holds, the same session would fail on every tick. The
+    agent notes it on the tick and the next tick starts a new session."""
+    from kvagentd.engine.executor import HotPoolFull
+
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    assert ag.tick_once("pump-1")["session"] == "pump-1-1"
+    clock.advance(3)
+    fake_executor.fail_next = HotPoolFull("session 'pump-1-1' needs 75 hot blocks (1215 tokens) "
+                                          "but the hot pool has 68")
+    row = ag.tick_once("pump-1")
+    assert row["session"] == "pump-1-1" and row["assessment"] is None
+    assert "needs 75 hot blocks" in row["note"] and "next tick starts a new session" in row["note"]
+    clock.advance(3)
+    row = ag.tick_once("pump-1")
+    assert row["session"] == "pump-1-2" and row["assessment"] is not None
+    assert ag.status()["assets"]["pump-1"]["rollovers"] == 1
+    fake_executor.fail_next = RuntimeError("some other failure")  # not a reason to roll over
+    clock.advance(3)
+    ag.tick_once("pump-1")
+    (view,) = ag.asset_views()
+    assert view.llm_failing == 1 and "some other failure" in (view.llm_error or "")
+    assert view.llm_errors == 2  # what the llm:ASSET health check reads
+    clock.advance(3)
+    assert ag.tick_once("pump-1")["session"] == "pump-1-2"
+    assert ag.asset_views()[0].llm_failing == 0  # answered again
+
+
 def test_summary_is_deterministic(tmp_path, fake_executor, scheduler, clock):
     ag = make_agent(tmp_path, fake_executor, scheduler, clock)
     for _ in range(5):

@@ -215,3 +215,14 @@ def test_report_summary_names_the_worst_first() -> None:
     assert r.summary().startswith("failing: ticks:pump-1: no tick done for 40 s")
     assert "cold-tier" in r.summary()
     assert r.as_dict()["status"] == "failing"
+
+
+def test_llm_is_degraded_after_three_failed_turns_in_a_row() -> None:
+    err = "llm: HotPoolFull: session 'pump-1-1' needs 75 hot blocks"
+    one = checks.llm(_view(llm_failing=1, llm_error=err, llm_errors=4))
+    assert one.level is OK and "needs 75 hot blocks" in one.reason  # a moment, said
+    three = checks.llm(_view(llm_failing=3, llm_error=err, llm_errors=6))
+    assert three.level is DEGRADED and three.name == "llm:pump-1"
+    assert "last 3 model turns failed" in three.reason and "75 hot blocks" in three.reason
+    assert "6 failed since start" in three.reason
+    assert checks.llm(_view(llm_failing=0, llm_errors=6)).level is OK
