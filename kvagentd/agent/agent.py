@@ -335,14 +335,19 @@ class Agent:
         st.account(done, self.clock())
         if done.outgrown:
             # the session holds more than the hot pool can: it would fail every tick from now
-            # on, so the next tick starts a new one (agent.session_token_budget is more than
-            # kv.hot_bytes holds for this model)
+            # on, so the next tick starts a new one, and later sessions of the asset roll over
+            # before they reach this size (agent.session_token_budget is more than kv.hot_bytes
+            # holds for this model)
             st.force_rollover = True
+            if st.session_tokens and (st.fits_tokens is None
+                                      or st.session_tokens < st.fits_tokens):
+                st.fits_tokens = st.session_tokens
             log.warning("agent.session_outgrew_hot_pool", asset=st.asset.name, session=session,
                         session_tokens=st.session_tokens,
                         budget=self.config.session_token_budget,
                         hint="lower agent.session_token_budget or raise kv.hot_bytes")
-            return None, False, f"{done.error}; the next tick starts a new session"
+            return None, False, (f"{done.error}; the next tick starts a new session, and "
+                                 f"sessions roll over at {st.fits_tokens} tokens from now on")
         if done.error is not None:
             return None, False, done.error
         if done.result is not None and done.result.finish_reason == "deadline":
@@ -365,8 +370,11 @@ class Agent:
     def _next_turn(self, st: AssetState, now: float, obs: str) -> tuple[str, str, str | None]:
         """(session, user text, system prompt or None): rolls over when the budget is reached."""
         estimate = st.turn_tokens or (2 * self.config.assessment_max_tokens + 64)
+        budget = self.config.session_token_budget
+        if st.fits_tokens is not None:  # the hot pool held no more than this
+            budget = min(budget, st.fits_tokens)
         if st.session_tokens and (st.force_rollover or
-                                  st.session_tokens + estimate > self.config.session_token_budget):
+                                  st.session_tokens + estimate > budget):
             st.session_index += 1
             st.session_tokens = st.turn_tokens = 0
             st.force_rollover = False

@@ -26,6 +26,7 @@ class AssetState:
     session_tokens: int = 0  # tokens of the current session (prompt + answer of the last turn)
     turn_tokens: int = 0  # growth of the session by the last tick
     force_rollover: bool = False
+    fits_tokens: int | None = None  # the largest session the hot pool held (after a HotPoolFull)
     closed: bool = False
     ticks: int = 0
     skipped: int = 0

@@ -67,25 +67,34 @@ def test_a_session_that_outgrows_the_hot_pool_rolls_over_instead_of_failing_ever
     from kvagentd.engine.executor import HotPoolFull
 
     ag = make_agent(tmp_path, fake_executor, scheduler, clock)
-    assert ag.tick_once("pump-1")["session"] == "pump-1-1"
-    clock.advance(3)
+    for _ in range(8):
+        assert ag.tick_once("pump-1")["session"] == "pump-1-1"
+        clock.advance(3)
     fake_executor.fail_next = HotPoolFull("session 'pump-1-1' needs 75 hot blocks (1215 tokens) "
                                           "but the hot pool has 68")
     row = ag.tick_once("pump-1")
     assert row["session"] == "pump-1-1" and row["assessment"] is None
     assert "needs 75 hot blocks" in row["note"] and "next tick starts a new session" in row["note"]
+    held = fake_executor.sessions["pump-1-1"]  # the size the pool still held
+    assert f"roll over at {held} tokens" in row["note"]
     clock.advance(3)
     row = ag.tick_once("pump-1")
     assert row["session"] == "pump-1-2" and row["assessment"] is not None
     assert ag.status()["assets"]["pump-1"]["rollovers"] == 1
+    sizes = []
+    for _ in range(40):  # later sessions roll over before they reach the size that failed
+        clock.advance(3)
+        row = ag.tick_once("pump-1")
+        sizes.append(fake_executor.sessions[row["session"]])
+    assert max(sizes) <= held and ag.status()["assets"]["pump-1"]["rollovers"] > 1
     fake_executor.fail_next = RuntimeError("some other failure")  # not a reason to roll over
     clock.advance(3)
-    ag.tick_once("pump-1")
+    current = ag.tick_once("pump-1")["session"]
     (view,) = ag.asset_views()
     assert view.llm_failing == 1 and "some other failure" in (view.llm_error or "")
     assert view.llm_errors == 2  # what the llm:ASSET health check reads
     clock.advance(3)
-    assert ag.tick_once("pump-1")["session"] == "pump-1-2"
+    assert ag.tick_once("pump-1")["session"] == current
     assert ag.asset_views()[0].llm_failing == 0  # answered again
 
 
