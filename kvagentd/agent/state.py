@@ -68,7 +68,9 @@ class AssetState:
             return
         self.llm_failing = 0
         total = int(res.prompt_tokens) + int(res.new_tokens)
-        self.turn_tokens = max(0, total - self.session_tokens)
+        # a later turn's growth estimates the next one; a first turn's (system prompt, profile
+        # and summary) does not, so after one the default estimate stands
+        self.turn_tokens = max(0, total - self.session_tokens) if self.session_tokens else 0
         self.session_tokens = total
         self.last_result = {"prompt_tokens": res.prompt_tokens,
                             "reused_tokens": res.reused_tokens,

@@ -98,6 +98,26 @@ def test_a_session_that_outgrows_the_hot_pool_rolls_over_instead_of_failing_ever
     assert ag.asset_views()[0].llm_failing == 0  # answered again
 
 
+def test_a_first_turn_does_not_count_as_the_growth_of_the_next(tmp_path, fake_executor,
+                                                               scheduler, clock):
+    """The first turn carries the system prompt, the profile and the summary; the next turn
+    adds one observation. A budget that holds the first turn and a few observations must not
+    roll the session over after its first turn."""
+    probe = make_agent(tmp_path / "probe", fake_executor, scheduler, clock)
+    probe.tick_once("pump-1")
+    first = fake_executor.sessions["pump-1-1"]
+    fake_executor.sessions.clear()
+    default = 2 * probe.config.assessment_max_tokens + 64
+    assert first > default  # else this test would not tell the two estimates apart
+    ag = make_agent(tmp_path / "agent", fake_executor, scheduler, clock,
+                    session_token_budget=first + default + 8)
+    sessions = []
+    for _ in range(3):
+        sessions.append(ag.tick_once("pump-1")["session"])
+        clock.advance(3)
+    assert sessions[:2] == ["pump-1-1", "pump-1-1"], sessions
+
+
 def test_summary_is_deterministic(tmp_path, fake_executor, scheduler, clock):
     ag = make_agent(tmp_path, fake_executor, scheduler, clock)
     for _ in range(5):
