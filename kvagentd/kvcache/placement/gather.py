@@ -69,12 +69,12 @@ class Gatherer:
             both = self.stats.common(victims[Tier.HOT].rows, victims[Tier.WARM].rows)
             if both.size:
                 victims = {t: c.without(both, self.stats) for t, c in victims.items()}
-        if len(risers):  # the store's word (risers) over placement's belief (victims)
-            victims = {t: c.without(risers.rows, self.stats) for t, c in victims.items()}
-        if wants:  # a block wished for is not moved down while the wish lasts (else the
-            # next round raises it again: a loop that moves bytes for nothing)
-            wished = np.fromiter(wants, np.int64, len(wants))
-            victims = {t: c.without(wished, self.stats) for t, c in victims.items()}
+        # not candidates: risers (the store's word over placement's belief) and blocks wished
+        # for, while the wish lasts (else the next round raises them again: a loop that moves
+        # bytes for nothing)
+        keep_up = np.concatenate([risers.rows, np.fromiter(wants, np.int64, len(wants))])
+        if keep_up.size:
+            victims = {t: c.without(keep_up, self.stats) for t, c in victims.items()}
         self.stats.trim_arrived(4 * (caps.hot + caps.warm))
         return RoundView(now, caps, free, victims, risers, wants, incoming)
 

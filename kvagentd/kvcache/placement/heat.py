@@ -89,18 +89,14 @@ class HeatMap:
         idx = np.flatnonzero(ok)
         held = self._n[rows[idx]]
         lo = 0
-        for width in (*_BUCKETS, self.window):
-            width = min(width, self.window)
-            sel = idx[(held > lo) & (held <= width)] if width < self.window else idx[held > lo]
+        for width in sorted({min(b, self.window) for b in (*_BUCKETS, self.window)}):
+            sel = idx[(held > lo) & (held <= width)]  # held <= window always
             lo = width
-            if sel.size == 0:
-                continue
-            b = now32 - self._ticks[rows[sel], :width]
-            np.maximum(b, 1.0, out=b)
-            np.reciprocal(b, out=b)
-            out[sel] = b.sum(axis=1)
-            if width == self.window:
-                break
+            if sel.size:
+                b = now32 - self._ticks[rows[sel], :width]
+                np.maximum(b, 1.0, out=b)
+                np.reciprocal(b, out=b)
+                out[sel] = b.sum(axis=1)
         return out
 
     def _rebase(self, tick: int) -> None:

@@ -402,12 +402,10 @@ class AccessStats:
         raised that goes below the tier it was raised to before it was used was raised for
         nothing (`prefetch_wasted`)."""
         was = self.raised[rows]
-        pending = was != NONE
-        if pending.any():
-            down = pending & ((code == NONE) | (was < code))
-            if down.any():
-                self.prefetch_wasted += int(np.count_nonzero(down))
-                self.raised[rows[down]] = NONE
+        down = (was != NONE) & ((code == NONE) | (was < code))
+        if down.any():
+            self.prefetch_wasted += int(np.count_nonzero(down))
+            self.raised[rows[down]] = NONE
         self.believe(rows, code)
         if code in self._arrived:
             self._arrive(code, rows)
@@ -416,12 +414,9 @@ class AccessStats:
         """A prefetch raised `rows` to tier `code` (after `moved`); rows already waiting for
         their use keep the higher of the two tiers."""
         was = self.raised[rows]
-        again = rows[(was != NONE) & (was > code)]
         fresh = rows[was == NONE]
-        fresh = self.distinct(fresh) if fresh.size else fresh
-        self.prefetch_raised += int(fresh.size)
-        self.raised[fresh] = code
-        self.raised[again] = code
+        self.prefetch_raised += int(self.distinct(fresh).size) if fresh.size else 0
+        self.raised[rows[(was == NONE) | (was > code)]] = code
 
     def prefetch_outcomes(self) -> dict[str, int]:
         """Blocks prefetches raised: used since, moved down or dropped before any use
