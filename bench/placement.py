@@ -4,6 +4,10 @@ the cost of a round at 10k, 100k and 1M stored blocks.
     OMP_NUM_THREADS=1 python -m bench.placement [--quick]
     python -m bench.placement --trace conversation_trace.jsonl --block-tokens 512 \\
         --hot 0.05,0.1 --warm 0.35 --out results.json
+    python -m bench.placement --trace /var/lib/kvagentd/dumps/trace-....jsonl --hot 0.3
+
+A replay of given traces writes bench/results/placement-trace.json (the standard run writes
+placement.json); a daemon trace dump carries the daemon's block size.
 
 Every run replays a trace through `bench.placement_sim.replay.simulate`, which drives the
 daemon's own PlacementService (AccessStats, policy, heat map, prefetcher, apply step, fed by an
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +46,7 @@ from kvagentd.kvcache.placement.policy import POLICIES
 
 COMMAND = "OMP_NUM_THREADS=1 python -m bench.placement"
 BYTES_PER_TOKEN = 23_040  # SmolLM2-135M KV, bf16: 30 layers x 2 x 3 heads x 64 x 2 bytes
+FILE_BLOCK_TOKENS = 512  # tokens per block of published traces (Mooncake's)
 DEFAULT_POLICY = PlacementConfig().policy
 
 
@@ -92,10 +98,18 @@ def standard_cases(quick: bool, warm: float) -> list[tuple[str, Case]]:
 
 
 def file_cases(paths: Sequence[str], hots: Sequence[float], warm: float,
-               block_bytes: int) -> list[tuple[str, Case]]:
+               block_tokens: int | None, bytes_per_token: int | None) -> list[tuple[str, Case]]:
+    """Cases of trace files. A block's bytes: `block_tokens` x `bytes_per_token` where either
+    is given, else the block size a daemon trace's header gives, else 512 tokens (Mooncake's
+    blocks) of SmolLM2-135M's KV."""
     out = []
     for p in paths:
         tr = read_trace(p)
+        if block_tokens is None and bytes_per_token is None and tr.block_size is not None:
+            block_bytes = tr.block_size.bytes
+        else:
+            block_bytes = (block_tokens or FILE_BLOCK_TOKENS) * (bytes_per_token
+                                                                 or BYTES_PER_TOKEN)
         for hot in hots:
             out.append(("file", Case(tr, _caps(tr, hot, warm), _label(hot), block_bytes)))
     return out
@@ -241,10 +255,12 @@ def main(argv: Sequence[str] | None = ()) -> int:
                     help="hot capacities for --trace: fractions of distinct blocks or counts")
     ap.add_argument("--warm", type=float, default=0.35,
                     help="warm capacity: a fraction of hot (< 1) or a count")
-    ap.add_argument("--block-tokens", type=int, default=512,
-                    help="tokens per block of --trace files (Mooncake's traces: 512)")
-    ap.add_argument("--bytes-per-token", type=int, default=BYTES_PER_TOKEN,
-                    help="KV bytes per token (default: SmolLM2-135M, bf16)")
+    ap.add_argument("--block-tokens", type=int, default=None,
+                    help="tokens per block of --trace files (default: the daemon's, from a "
+                         "trace dump's header; else 512, as Mooncake's traces)")
+    ap.add_argument("--bytes-per-token", type=int, default=None,
+                    help="KV bytes per token (default: the daemon's, from a trace dump's "
+                         "header; else SmolLM2-135M, bf16)")
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="policies to replay (default: all; lru is the baseline)")
     ap.add_argument("--out", type=Path, default=None, help="also write the results JSON here")
@@ -259,8 +275,8 @@ def main(argv: Sequence[str] | None = ()) -> int:
         policies.insert(0, "lru")
     if args.trace:
         try:
-            cases = file_cases(args.trace, args.hot, args.warm,
-                               args.block_tokens * args.bytes_per_token)
+            cases = file_cases(args.trace, args.hot, args.warm, args.block_tokens,
+                               args.bytes_per_token)
         except (OSError, ValueError) as exc:
             print(f"cannot read trace: {exc}", file=sys.stderr)
             return 2
@@ -296,7 +312,12 @@ def main(argv: Sequence[str] | None = ()) -> int:
                           max(float(c["decision_us_per_accessed_block"]) for c in big), "<=",
                           1.0, " us"))
     goals += _goals(groups, policies)
-    result = Result("placement", COMMAND + (" --quick" if args.quick else ""), figures, goals)
+    if args.trace:  # a replay of given traces: its own results file, not the recorded run's
+        given = sys.argv[1:] if argv is None else list(argv)
+        result = Result("placement-trace", f"{COMMAND} {shlex.join(given)}", figures, goals)
+    else:
+        result = Result("placement", COMMAND + (" --quick" if args.quick else ""), figures,
+                        goals)
     write_result(result)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -262,6 +262,7 @@ def build_services(config: Config, ctx: BuildContext) -> Services:
     from kvagentd.engine.service import Engine
     from kvagentd.kvcache.keys import make_namespace
     from kvagentd.kvcache.placement import AccessFeed, PlacementService
+    from kvagentd.kvcache.placement.trace_recorder import BlockSize
     from kvagentd.maintenance.service import Maintenance
 
     state_dir = Path(config.daemon.state_dir)
@@ -275,7 +276,8 @@ def build_services(config: Config, ctx: BuildContext) -> Services:
                         remote=remote)
     placement = PlacementService(tiers.store, feed, config.placement, ctx.scheduler,
                                  summary_path=state_dir / "heat-summary.json",
-                                 registry=ctx.registry)
+                                 registry=ctx.registry,
+                                 block_size=BlockSize(geometry.block_tokens, geometry.block_bytes))
     handover = gate = None
     if remote is not None:
         handover, gate = _build_handover(config, remote)

@@ -10,7 +10,8 @@ Files it reads (`read_trace`):
   `block_tokens` tokens; optional `"session_id"` (or `"session"`, `"chat_id"`). Other fields
   (`input_length`, `output_length`) are ignored. Without session ids a request continues the
   session whose last request it re-reads (see `_SessionGuess`), else it starts a new one.
-- the daemon's own block-access trace (`kvctl trace dump`, `.jsonl` with its header, or `.npz`).
+- the daemon's own block-access trace (`kvctl trace dump`, `.jsonl` with its header, or `.npz`),
+  with the daemon's block size where the header gives it.
 `write_jsonl` writes the first format (with session ids).
 """
 
@@ -25,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from kvagentd.kvcache.base import BlockKey
-from kvagentd.kvcache.placement.trace_recorder import AccessEvent, load_trace
+from kvagentd.kvcache.placement.trace_recorder import (AccessEvent, BlockSize,
+                                                         load_block_size, load_trace)
 
 
 @dataclass(slots=True)
@@ -39,6 +41,7 @@ class RequestTrace:
     n_blocks: int
     preload: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # cold at start
     keys: list[BlockKey] | None = None  # the block keys of a daemon trace, by id
+    block_size: BlockSize | None = None  # the daemon's block, where its trace gives it
 
     def __len__(self) -> int:
         return int(self.times.shape[0])
@@ -134,7 +137,7 @@ def read_trace(path: str | os.PathLike[str], *, name: str | None = None) -> Requ
     p = Path(path)
     label = name or p.stem
     if p.suffix == ".npz":
-        return from_events(load_trace(p), label)
+        return _daemon_trace(p, label)
     with open(p, encoding="utf-8") as f:
         first = f.readline()
     try:
@@ -142,8 +145,14 @@ def read_trace(path: str | os.PathLike[str], *, name: str | None = None) -> Requ
     except json.JSONDecodeError as exc:
         raise ValueError(f"{p}:1: not JSON: {exc}") from exc
     if isinstance(head, dict) and "kvagentd_trace" in head:
-        return from_events(load_trace(p), label)
+        return _daemon_trace(p, label)
     return read_jsonl(p, name=label)
+
+
+def _daemon_trace(path: Path, name: str) -> RequestTrace:
+    tr = from_events(load_trace(path), name)
+    tr.block_size = load_block_size(path)
+    return tr
 
 
 def read_jsonl(path: str | os.PathLike[str], *, name: str | None = None) -> RequestTrace:

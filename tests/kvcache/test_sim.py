@@ -202,6 +202,32 @@ def test_a_daemon_trace_dump_replays_with_its_keys(tmp_path):
     assert ev[0].tier is Tier.COLD
 
 
+def test_a_replay_of_a_daemon_dump_counts_the_daemons_block_bytes(tmp_path, monkeypatch):
+    import json
+
+    import bench.common
+    import bench.placement as bp
+    from kvagentd.kvcache.placement.trace_recorder import BlockSize
+
+    rec = TraceRecorder(100, block_size=BlockSize(16, 1000))
+    keys = [i.to_bytes(16, "big") for i in range(40)]
+    for t in range(30):
+        rec.record(t, float(t), f"s{t % 3}", keys[(t % 3) * 10:(t % 3) * 10 + 8 + t % 5])
+    path = tmp_path / "dump.jsonl"
+    rec.dump(path)
+    (case_default,) = [c for _, c in bp.file_cases([str(path)], [0.5], 0.35, None, None)]
+    assert case_default.block_bytes == 1000
+    (case_given,) = [c for _, c in bp.file_cases([str(path)], [0.5], 0.35, 512, None)]
+    assert case_given.block_bytes == 512 * bp.BYTES_PER_TOKEN
+    # a replay writes its own results file, not the recorded run's
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "results")
+    bp.main(["--trace", str(path), "--hot", "0.5", "--policies", "lru", "--no-round-cost"])
+    assert [p.name for p in (tmp_path / "results").iterdir()] == ["placement-trace.json"]
+    doc = json.loads((tmp_path / "results/placement-trace.json").read_text())
+    assert doc["figures"]["runs"][0]["block_bytes"] == 1000
+    assert "--trace" in doc["command"]
+
+
 # ------------------------------------------------------------------------------------------
 # workloads
 # ------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import pytest
 
 from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.placement.base import CODE_OF
-from kvagentd.kvcache.placement.trace_recorder import TraceRecorder, load_trace
+from kvagentd.kvcache.placement.trace_recorder import (BlockSize, TraceRecorder,
+                                                         load_block_size, load_trace)
 
 from .sim_env import Env
 
@@ -71,6 +72,30 @@ def test_dump_and_load_round_trip(tmp_path, suffix):
         (2, "a", k(1), Tier.HOT)]
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".npz"])
+def test_a_dump_carries_the_block_size_where_known(tmp_path, suffix):
+    r = TraceRecorder(10, block_size=BlockSize(16, 737_280))
+    r.record(0, 1.0, "a", [k(1)])
+    r.dump(tmp_path / f"sized{suffix}")
+    assert load_block_size(tmp_path / f"sized{suffix}") == BlockSize(16, 737_280)
+    assert [e.key for e in load_trace(tmp_path / f"sized{suffix}")] == [k(1)]
+    bare = TraceRecorder(10)
+    bare.record(0, 1.0, "a", [k(1)])
+    bare.dump(tmp_path / f"bare{suffix}")
+    assert load_block_size(tmp_path / f"bare{suffix}") is None
+
+
+@pytest.mark.parametrize("head", ['{"kvagentd_trace": 1, "block_tokens": 16}',
+                                  '{"kvagentd_trace": 1, "block_tokens": 0, "block_bytes": 9}',
+                                  '{"kvagentd_trace": 1, "block_tokens": "x", "block_bytes": 9}',
+                                  '[1]'])
+def test_a_malformed_block_size_is_an_error(tmp_path, head):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(head + "\n")
+    with pytest.raises(ValueError, match="header"):
+        load_block_size(p)
+
+
 def test_load_rejects_a_foreign_file(tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_text('{"something": 1}\n')
@@ -108,6 +133,10 @@ def test_control_routes_dump_stream_and_status(tmp_path):
     route, out = _call(router, "POST", "/v1/trace/dump", b'{"name": "t.jsonl"}')
     assert route.change and out["events"] == 2 and out["path"] == str(tmp_path / "dumps/t.jsonl")
     assert [e.key for e in load_trace(tmp_path / "dumps/t.jsonl")] == [k(1), k(2)]
+    assert load_block_size(tmp_path / "dumps/t.jsonl") is None  # this store gave no size
+    svc.trace.block_size = BlockSize(16, 4096)
+    _call(router, "POST", "/v1/trace/dump", b'{"name": "sized.npz"}')
+    assert load_block_size(tmp_path / "dumps/sized.npz") == BlockSize(16, 4096)
     with pytest.raises(BadRequest):  # the daemon chooses where it writes
         _call(router, "POST", "/v1/trace/dump",
               json.dumps({"path": str(tmp_path / "x.jsonl")}).encode())
@@ -116,7 +145,8 @@ def test_control_routes_dump_stream_and_status(tmp_path):
     _, resp = _call(router, "GET", "/v1/trace", query={"format": "ndjson"})
     assert isinstance(resp, Response)
     lines = "".join(resp.body).splitlines()
-    assert json.loads(lines[0]) == {"kvagentd_trace": 1} and len(lines) == 3
+    assert json.loads(lines[0]) == {"kvagentd_trace": 1, "block_tokens": 16,
+                                    "block_bytes": 4096} and len(lines) == 3
     router2 = Router()
     handler.register(router2, types.SimpleNamespace(placement=None, config=config))
     with pytest.raises(NotReady):

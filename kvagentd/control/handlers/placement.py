@@ -51,10 +51,11 @@ def register(router: Router, daemon: Any) -> None:
                 raise BadRequest(str(exc)) from None
             if fmt is not None and not name.endswith("." + fmt):
                 raise BadRequest(f"'name' {name!r} does not end in .{fmt}")
-        events = placement().trace.events()
+        trace = placement().trace
+        events = trace.events()
         try:
-            path = dumps.write(name, lambda f: write_trace_to(f, events,
-                                                              npz=name.endswith(".npz")))
+            path = dumps.write(name, lambda f: write_trace_to(
+                f, events, npz=name.endswith(".npz"), block_size=trace.block_size))
         except DumpExists as exc:
             raise Conflict(str(exc)) from None
         except DumpDirUnsafe as exc:
@@ -75,6 +76,6 @@ def register(router: Router, daemon: Any) -> None:
             events = p.trace.events()  # a copy: the ring keeps recording while this streams
 
             def chunks() -> Iterator[str]:
-                yield from iter_jsonl(events)
+                yield from iter_jsonl(events, p.trace.block_size)
             return Response(chunks(), content_type=NDJSON_TYPE)
         raise BadRequest("'format' must be 'summary' or 'ndjson'")

@@ -34,7 +34,7 @@ from .policy import PlacementPolicy, PolicyParams, make_policy
 from .prefetch import Prefetcher, UrgentPrefetch
 from .stats import AccessStats
 from .summary import load_summary, save_summary
-from .trace_recorder import TraceRecorder
+from .trace_recorder import BlockSize, TraceRecorder
 
 log = structlog.get_logger(__name__)
 
@@ -106,12 +106,14 @@ class PlacementService:
     rounds as a job when given; otherwise the service's own thread does. Either way that thread
     ingests accesses as they come and issues neighbour prefetches as soon as a cold read is
     seen. `clock` is wall time (tests and the simulator pass their own). Without
-    `summary_path` no session summary is persisted or loaded."""
+    `summary_path` no session summary is persisted or loaded. `block_size` (the store's block,
+    where known) goes into trace dumps."""
 
     def __init__(self, store: PlacementStore, feed: AccessFeed, options: PlacementOptions,
                  scheduler: Any = None, *, clock: Callable[[], float] = time.time,
                  summary_path: str | Path | None = None,
-                 registry: CollectorRegistry | None = None, seed: int | None = None) -> None:
+                 registry: CollectorRegistry | None = None, seed: int | None = None,
+                 block_size: BlockSize | None = None) -> None:
         self.store = store
         self.feed = feed
         self.config = options
@@ -119,7 +121,7 @@ class PlacementService:
         self.clock = clock
         self.summary_path = Path(summary_path) if summary_path is not None else None
         self.stats = AccessStats()
-        self.trace = TraceRecorder(options.trace_capacity)
+        self.trace = TraceRecorder(options.trace_capacity, block_size=block_size)
         self.prefetcher = Prefetcher(lead_s=options.prefetch_lead_s,
                                      interval_s=options.interval_s)
         self.policy: PlacementPolicy = make_policy(options.policy, params_of(options))

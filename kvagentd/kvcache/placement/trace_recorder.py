@@ -3,6 +3,8 @@
 One event = one block touched by one inference event: (tick, wall time, session, block key,
 tier at access). Files are JSON lines (`.jsonl`: one header line, then one object per event)
 or a compact numpy archive (`.npz`, loaded with `allow_pickle=False`). Nothing is pickled.
+The header carries the daemon's block size (`block_tokens`, `block_bytes`) where it is known,
+so a replay counts bytes moved as the daemon would.
 """
 
 from __future__ import annotations
@@ -35,13 +37,25 @@ class AccessEvent(NamedTuple):
     tier: Tier | None  # where the block was when it was asked for; None: unknown / new
 
 
+class BlockSize(NamedTuple):
+    """The size of one block of the traced store: tokens, and KV bytes."""
+
+    tokens: int
+    bytes: int
+
+
+def _meta(size: BlockSize | None) -> dict[str, int]:
+    return {} if size is None else {"block_tokens": size.tokens, "block_bytes": size.bytes}
+
+
 class TraceRecorder:
     """Keeps the last `capacity` access events (0 disables recording) in numpy rings: recording
     one inference event is a few vectorized writes, whatever its number of blocks. Keys are
-    16-byte block keys. Thread-safe."""
+    16-byte block keys; `block_size`, where known, goes into the files' header. Thread-safe."""
 
-    def __init__(self, capacity: int = 100_000) -> None:
+    def __init__(self, capacity: int = 100_000, *, block_size: BlockSize | None = None) -> None:
         self.capacity = capacity
+        self.block_size = block_size
         cap = max(capacity, 1)
         self._tick = np.zeros(cap, dtype=np.int64)
         self._time = np.zeros(cap, dtype=np.float64)
@@ -131,7 +145,7 @@ class TraceRecorder:
 
     def dump(self, path: str | os.PathLike[str]) -> int:
         """Write the ring to `path` (.npz -> numpy archive, else JSON lines); returns events."""
-        return write_trace(path, self.events())
+        return write_trace(path, self.events(), self.block_size)
 
 
 def event_json(e: AccessEvent) -> str:
@@ -139,13 +153,15 @@ def event_json(e: AccessEvent) -> str:
                        "k": e.key.hex(), "tier": _TIER_NAME[e.tier]})
 
 
-def iter_jsonl(events: Iterable[AccessEvent]) -> Iterator[str]:
-    yield json.dumps({"kvagentd_trace": TRACE_VERSION}) + "\n"
+def iter_jsonl(events: Iterable[AccessEvent], block_size: BlockSize | None = None
+               ) -> Iterator[str]:
+    yield json.dumps({"kvagentd_trace": TRACE_VERSION, **_meta(block_size)}) + "\n"
     for e in events:
         yield event_json(e) + "\n"
 
 
-def write_trace(path: str | os.PathLike[str], events: Sequence[AccessEvent]) -> int:
+def write_trace(path: str | os.PathLike[str], events: Sequence[AccessEvent],
+                block_size: BlockSize | None = None) -> int:
     """Write `events` to `path` (.npz -> numpy archive, else JSON lines) through `<path>.tmp`.
 
     For files the caller names itself (benchmarks, the simulator); the daemon writes dumps
@@ -155,12 +171,13 @@ def write_trace(path: str | os.PathLike[str], events: Sequence[AccessEvent]) -> 
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     with open(tmp, "wb") as f:
-        write_trace_to(f, events, npz=p.suffix == ".npz")
+        write_trace_to(f, events, npz=p.suffix == ".npz", block_size=block_size)
     os.replace(tmp, p)
     return len(events)
 
 
-def write_trace_to(f: BinaryIO, events: Sequence[AccessEvent], *, npz: bool) -> int:
+def write_trace_to(f: BinaryIO, events: Sequence[AccessEvent], *, npz: bool,
+                   block_size: BlockSize | None = None) -> int:
     """Write `events` to the open binary file `f` (numpy archive or JSON lines)."""
     if npz:
         sessions = sorted({e.session for e in events})
@@ -169,17 +186,43 @@ def write_trace_to(f: BinaryIO, events: Sequence[AccessEvent], *, npz: bool) -> 
         keys = np.zeros((len(events), keylen), dtype=np.uint8)
         for i, e in enumerate(events):
             keys[i, : len(e.key)] = np.frombuffer(e.key, dtype=np.uint8)
-        np.savez_compressed(
-            f, version=np.array(TRACE_VERSION),
-            tick=np.array([e.tick for e in events], dtype=np.int64),
-            time=np.array([e.time for e in events], dtype=np.float64),
-            session=np.array([sidx[e.session] for e in events], dtype=np.int32),
-            sessions=np.array(sessions, dtype=np.str_),
-            keys=keys, tier=np.array([_TIER_CODE[e.tier] for e in events], dtype=np.int8))
+        arrays: dict[str, np.ndarray] = {
+            "version": np.array(TRACE_VERSION),
+            "tick": np.array([e.tick for e in events], dtype=np.int64),
+            "time": np.array([e.time for e in events], dtype=np.float64),
+            "session": np.array([sidx[e.session] for e in events], dtype=np.int32),
+            "sessions": np.array(sessions, dtype=np.str_),
+            "keys": keys, "tier": np.array([_TIER_CODE[e.tier] for e in events], dtype=np.int8),
+            **{k: np.array(v, dtype=np.int64) for k, v in _meta(block_size).items()}}
+        # (numpy's stubs read a ** mapping as possibly filling its allow_pickle flag)
+        np.savez_compressed(f, **arrays)  # type: ignore[arg-type]
     else:
-        for line in iter_jsonl(events):
+        for line in iter_jsonl(events, block_size):
             f.write(line.encode("utf-8"))
     return len(events)
+
+
+def load_block_size(path: str | os.PathLike[str]) -> BlockSize | None:
+    """The block size a trace file's header gives (None: not given, as in files written
+    before it was); raises ValueError on a malformed header."""
+    p = Path(path)
+    try:
+        if p.suffix == ".npz":
+            with np.load(p, allow_pickle=False) as z:
+                head = {k: int(z[k]) for k in ("block_tokens", "block_bytes") if k in z.files}
+        else:
+            with open(p, encoding="utf-8") as f:
+                head = json.loads(f.readline() or "{}")
+        if not isinstance(head, dict):
+            raise TypeError("the header is not an object")
+        if "block_tokens" not in head and "block_bytes" not in head:
+            return None
+        size = BlockSize(int(head["block_tokens"]), int(head["block_bytes"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"malformed trace header in {p}: {exc}") from exc
+    if size.tokens < 1 or size.bytes < 1:
+        raise ValueError(f"malformed trace header in {p}: block size {size}")
+    return size
 
 
 def load_trace(path: str | os.PathLike[str]) -> list[AccessEvent]:
