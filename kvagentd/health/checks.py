@@ -148,7 +148,10 @@ def tick_p99(t: TickFacts, h: HealthConfig) -> Check:
         return Check(name, OK, f"no tick done in the last {age(h.window_s)}")
     p99 = d[min(len(d) - 1, max(0, math.ceil(0.99 * len(d)) - 1))]
     ratio = p99 / t.interval_s
-    base = f"p99 {age(p99)} from due to done, {ratio:.2f}x the {age(t.interval_s)} interval"
+    # rounded up, so a p99 just above a limit never reads as equal to it ("1.00x ... degraded
+    # above 1x")
+    shown = math.ceil(ratio * 100 - 1e-9) / 100
+    base = f"p99 {age(p99)} from due to done, {shown:.2f}x the {age(t.interval_s)} interval"
     if ratio > h.tick_p99_failing:
         return Check(name, FAILING, f"{base} (failing above {h.tick_p99_failing:g}x)")
     if ratio > h.tick_p99_degraded:

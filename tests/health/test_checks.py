@@ -56,6 +56,10 @@ def test_tick_p99_against_the_interval() -> None:
     assert checks.tick_p99(_tick(durations=[1.0] * 97 + [4.0] * 3), H).level is DEGRADED
     assert checks.tick_p99(_tick(durations=[1.0] * 200 + [50.0]), H).level is OK  # one outlier
     assert checks.tick_p99(_tick(runs=0, durations=[]), H).level is OK
+    # just above the limit never reads as equal to it
+    edge = checks.tick_p99(_tick(durations=[3.0003] * 10), H)
+    assert edge.level is DEGRADED and "1.01x the" in edge.reason
+    assert "1.00x the" in checks.tick_p99(_tick(durations=[3.0] * 10), H).reason
 
 
 def _view(**kw: object) -> AssetView:
