@@ -188,8 +188,11 @@ def failover_activate(ctx: typer.Context,
     render.emit(o, call(o, "POST", "/v1/failover/activate", body=body), render_failover)
 
 
-def failover_restore(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
+def failover_restore(ctx: typer.Context,
+                     reason: Annotated[str, typer.Option("--reason", help="for the log")] = "",
+                     socket: SocketOpt = None, json_out: JsonOpt = False,
                      timeout: TimeoutOpt = None) -> None:
     """Write the shadow's blocks back to the SSD, empty the shadow and serve from the SSD."""
     o = opts(ctx, socket, json_out, timeout if timeout is not None else DEFRAG_TIMEOUT_S)
-    render.emit(o, call(o, "POST", "/v1/failover/restore", body={}), render_failover)
+    body = {"reason": reason} if reason else {}
+    render.emit(o, call(o, "POST", "/v1/failover/restore", body=body), render_failover)

@@ -271,10 +271,10 @@ class Maintenance:
         changed = self.failover.activate(reason, Cause.OPERATOR)
         return {"activated": changed, **self.failover.status()}
 
-    def failover_restore(self) -> dict[str, Any]:
+    def failover_restore(self, reason: str = "operator request") -> dict[str, Any]:
         if self.failover is None:
             return {"restored": 0, "note": "no shadow configured"}
-        out = self.failover.restore()
+        out = self.failover.restore(reason)
         return {**out, **self.failover.status()}
 
     def scrub(self, rate_bytes_per_s: float | None = None) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -168,8 +169,13 @@ def test_control_routes_and_kvctl(env, monkeypatch):
         r = kvctl(cfg, "failover", "status", "--json")
         st = jout(r)
         assert st["serving"] == "shadow" and st["reason"] == "swap drill" and st["shadow_blocks"] == 1
-        r = kvctl(cfg, "failover", "restore")
+        r = kvctl(cfg, "failover", "restore", "--reason", "new SSD in")
         assert r.exit_code == 0 and "restored 1 blocks" in r.output and "served by: ssd" in r.output
+        assert jout(kvctl(cfg, "failover", "status", "--json"))["reason"] == "new SSD in"
+        kvctl(cfg, "failover", "activate")
+        kvctl(cfg, "failover", "restore")  # who asked, where no reason is given
+        assert re.fullmatch(r"operator request \(uid \d+\)",
+                            jout(kvctl(cfg, "failover", "status", "--json"))["reason"])
     finally:
         server.stop(1.0)
 

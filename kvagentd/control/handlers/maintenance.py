@@ -73,8 +73,10 @@ def register(router: Router, daemon: Any) -> None:
     def failover_restore(req: Request) -> dict[str, Any]:
         from kvagentd.kvcache.cold.failover import FailoverError
 
+        body = req.json_object()
+        reason = str(body.get("reason") or f"operator request (uid {req.peer.uid})")
         try:
-            return svc().failover_restore()
+            return svc().failover_restore(reason)
         except FailoverError as exc:
             raise Busy(str(exc), kind="restore_failed") from None
 
