@@ -253,3 +253,41 @@ def test_free_space_floor_on_a_real_cold_store_reclaims_disk(tmp_path):
     outs = [torch.empty(GEOM.block_shape)]
     assert cold.read_into([key(39)], outs) == [True] and torch.equal(outs[0], block(39))
     cold.close()
+
+
+def test_dead_bytes_past_the_limit_are_compacted_away(tmp_path):
+    """Records evicted for capacity stay in their segment files until compaction; a check
+    compacts once they pass `dead_limit`, so the tier's files stay near its capacity."""
+    import torch
+
+    from kvagentd.config.values import ByteSize
+    from kvagentd.kvcache.cold.store import ColdStore
+
+    from .conftest import GEOM, NS, block, key
+
+    cap, seg = 1 << 20, 1 << 20
+    cfg = Config(kv=KVConfig(cold_dir=tmp_path, cold_capacity_bytes=ByteSize(cap),
+                             segment_bytes=ByteSize(seg)),
+                 maintenance=MaintenanceConfig(health_status_file=tmp_path / "h.json",
+                                               free_space_floor_bytes=ByteSize(1)))
+    cold = ColdStore(tmp_path / "cold", GEOM, NS, capacity_bytes=cap, segment_bytes=seg,
+                     o_direct=False)
+    mon = health.HealthMonitor(cfg, cold=cold, clock=lambda: 100.0,
+                               disk_usage=lambda p: 1 << 40)  # plenty of free space
+    limit = health.dead_limit(cfg)
+    assert limit == 4 * seg
+    n = 0
+    while cold.stats()["dead_bytes"] <= limit:
+        keys = [key(i) for i in range(n, n + 100)]
+        assert all(cold.put_many(keys, [block(i) for i in range(n, n + 100)]))
+        n += 100
+    mon.check()
+    st = cold.stats()
+    assert st["dead_bytes"] < limit and st["disk_bytes"] <= cap + limit
+    assert st["blocks"] > 0 and st["bytes_used"] <= cap
+    outs = [torch.empty(GEOM.block_shape)]
+    assert cold.read_into([key(n - 1)], outs) == [True] and torch.equal(outs[0], block(n - 1))
+    before = st["disk_bytes"]
+    mon.check()  # under the limit: nothing more to do
+    assert cold.stats()["disk_bytes"] == before
+    cold.close()
