@@ -140,6 +140,24 @@ def test_warmup_wants_orders_and_splits():
     assert got == [([k("a", 1)], Tier.HOT), ([k("a", 0)], Tier.WARM), ([k("b", 0)], Tier.WARM)]
 
 
+def test_warmup_loads_what_the_top_sessions_share_first():
+    """After a restart the agent starts new sessions, which share only their system prompt
+    with the sessions of the summary: the prompt is what warm-up must bring back hot."""
+    p = Prefetcher()
+    prompt = [k("p", i) for i in range(3)]
+    asset = [k("q", 0)]  # shared by two of the three
+    summary = [SessionSummary("a-2", 9.0, (*prompt, *asset, k("a", 0), k("a", 1))),
+               SessionSummary("a-1", 8.0, (*prompt, *asset, k("b", 0))),
+               SessionSummary("c-1", 7.0, (*prompt, k("c", 0)))]
+    got = p.warmup_wants(summary, 3, hot_blocks=4)
+    assert got[0] == ([*prompt, k("q", 0)], Tier.HOT)  # the most shared first
+    assert got[1:] == [([k("a", 0), k("a", 1)], Tier.WARM), ([k("b", 0)], Tier.WARM),
+                       ([k("c", 0)], Tier.WARM)]
+    # every key once, whatever it shares
+    loaded = [key for keys, _ in got for key in keys]
+    assert len(loaded) == len(set(loaded)) == 8
+
+
 def test_a_predicted_block_is_raised_once_per_predicted_use_not_every_round():
     """A session with a steady beat whose blocks are cold by heat, in a hot tier that other
     traffic keeps full: its blocks are raised before each use and stay up until it comes.

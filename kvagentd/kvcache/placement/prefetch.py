@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import threading
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence
 
@@ -257,20 +257,30 @@ class Prefetcher:
 
     def warmup_wants(self, summary: Sequence[SessionSummary], sessions: int,
                      hot_blocks: int) -> list[tuple[list[BlockKey], Tier]]:
-        """Start-up loads: the top `sessions` of a session summary, hot while `hot_blocks`
-        lasts, then warm. Returns (keys, tier) groups in load order."""
+        """Start-up loads from the top `sessions` of a session summary: first the blocks
+        several of them share (their system prompts: the agent starts new sessions after a
+        restart, which share only their prompt with the old ones), most shared first; then
+        each session's own blocks, most used session first, its latest blocks first. Hot
+        while `hot_blocks` lasts, then warm. Returns (keys, tier) groups in load order."""
+        top = [sh for sh in list(summary)[:sessions] if sh.keys]
+        count = Counter(k for sh in top for k in dict.fromkeys(sh.keys))
+        shared = sorted((k for k, c in count.items() if c > 1), key=lambda k: -count[k])
         out: list[tuple[list[BlockKey], Tier]] = []
         left = hot_blocks
-        for sh in list(summary)[:sessions]:
-            keys = list(sh.keys)
-            if not keys:
-                continue
-            n_hot = min(left, len(keys))
-            if n_hot:
-                out.append((keys[-n_hot:], Tier.HOT))
-                left -= n_hot
-            if n_hot < len(keys):
-                out.append((keys[: len(keys) - n_hot], Tier.WARM))
+
+        def load(hot: list[BlockKey], warm: list[BlockKey]) -> None:
+            nonlocal left
+            for keys, tier in ((hot, Tier.HOT), (warm, Tier.WARM)):
+                if keys:
+                    out.append((keys, tier))
+            left -= len(hot)
+
+        if shared:
+            load(shared[:left], shared[left:])
+        for sh in top:
+            own = [k for k in sh.keys if count[k] == 1]
+            n_hot = min(left, len(own))
+            load(own[len(own) - n_hot:], own[:len(own) - n_hot])
             self.counts["warmup"] += 1
         return out
 
