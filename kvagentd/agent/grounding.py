@@ -1,7 +1,8 @@
 """Checks the model's commentary against the measured diagnosis before anyone sees it.
 
 `check(text, diagnosis, evidence)` -> `Verdict(ok, reasons)`. The text is withheld when it
-- is empty;
+- is empty, or a fragment: under three words that do not end a sentence ("The recent": a
+  model that stops that early has copied a turn cut short, it says nothing);
 - says the machine is normal, healthy, fine or idle while a fault is diagnosed or the ISO zone
   is C or D;
 - raises an alarm (alert, alarm, danger, fault, defect, damage) while the diagnosis is `none`
@@ -91,6 +92,8 @@ def check(text: str | None, diagnosis: Mapping[str, Any], evidence: str) -> Verd
     """Is `text` consistent with `diagnosis` (its dict) and the `evidence` it was given?"""
     if not text or not text.strip():
         return Verdict(False, ("empty",))
+    if len(text.split()) < 3 and not text.rstrip().endswith((".", "!", "?")):
+        return Verdict(False, (f"a fragment ({text.strip()!r}), not a sentence",))
     fault = str(diagnosis.get("fault", "none"))
     zone = str(diagnosis.get("zone") or "A")
     reasons: list[str] = []

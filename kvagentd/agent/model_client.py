@@ -93,7 +93,7 @@ class ModelClient:
         deadline = max(0.05, cfg.tick_interval_s * (1.0 - TICK_MARGIN) - elapsed)
         req = GenerationRequest(session=session, text=text, system=system,
                                 max_new_tokens=cfg.assessment_max_tokens, priority=Priority.TICK,
-                                deadline_s=deadline, one_sentence=True)
+                                deadline_s=deadline, one_sentence=True, keep_partial=False)
         try:
             job = cast(GenerationJob, self.beat.submit(req))
         except QueueFull:

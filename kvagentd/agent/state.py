@@ -67,11 +67,15 @@ class AssetState:
             self.llm_error = done.error
             return
         self.llm_failing = 0
-        total = int(res.prompt_tokens) + int(res.new_tokens)
-        # a later turn's growth estimates the next one; a first turn's (system prompt, profile
-        # and summary) does not, so after one the default estimate stands
-        self.turn_tokens = max(0, total - self.session_tokens) if self.session_tokens else 0
-        self.session_tokens = total
+        # a tick's turn cut off by its deadline is not kept in its session (`keep_partial`: a
+        # fragment there teaches the model to answer with fragments), so the session's size
+        # stays what it was
+        if res.finish_reason not in ("deadline", "cancelled"):
+            total = int(res.prompt_tokens) + int(res.new_tokens)
+            # a later turn's growth estimates the next one; a first turn's (system prompt,
+            # profile and summary) does not, so after one the default estimate stands
+            self.turn_tokens = max(0, total - self.session_tokens) if self.session_tokens else 0
+            self.session_tokens = total
         self.last_result = {"prompt_tokens": res.prompt_tokens,
                             "reused_tokens": res.reused_tokens,
                             "recomputed_tokens": res.recomputed_tokens,

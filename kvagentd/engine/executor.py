@@ -319,7 +319,8 @@ class Executor:
             else:  # preempted: its blocks were committed then
                 keys = self.blocks.store.match_prefix(s.tokens).keys
             generated = s.generated
-            if generated and s.session is not None:
+            cut = why in ("deadline", "cancelled") and not s.job.request.keep_partial
+            if generated and s.session is not None and not cut:
                 session = s.session
                 session.token_ids = s.tokens + self.chat.close_turn(generated)
                 session.block_keys = keys

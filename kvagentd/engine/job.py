@@ -34,6 +34,9 @@ class GenerationRequest:
     priority: Priority = Priority.ASK
     deadline_s: float | None = None  # seconds from submit; None = the executor default
     one_sentence: bool = False  # end at the first sentence's end (`sequence.sentence_end`)
+    # a turn its deadline or a cancel cut off stays in the session (the default: an answer the
+    # reader saw part of); False: the session stays as it was before this request
+    keep_partial: bool = True
 
 
 class JobState(enum.Enum):

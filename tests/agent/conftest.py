@@ -54,7 +54,8 @@ class FakeExecutor:
             prompt = prior + len(req.text.split())
             answer = self.answer
             new = len(answer.split())
-            self.sessions[req.session] = prompt + new
+            if self.finish_reason not in ("deadline", "cancelled") or req.keep_partial:
+                self.sessions[req.session] = prompt + new  # as the engine keeps the turn
         return FakeJob(GenerationResult(req.session, answer, new_tokens=new, prompt_tokens=prompt,
                                         reused_tokens=prior, recomputed_tokens=prompt - prior,
                                         finish_reason=self.finish_reason))

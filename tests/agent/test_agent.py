@@ -290,6 +290,29 @@ def test_commentary_cut_at_the_deadline_is_not_shown(tmp_path, fake_executor, sc
     assert ag.tick_once("pump-1")["assessment"] == "No fault: no action."
 
 
+def test_a_cut_commentary_is_not_kept_in_the_session(tmp_path, fake_executor, scheduler, clock):
+    """A fragment kept as the assistant's turn is copied by the model in the next turns (the
+    field saw 'The recent' answered tick after tick): the tick asks the engine not to keep a
+    turn its deadline cut, and the session's size stays what it was."""
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    ag.tick_once("pump-1")
+    session = fake_executor.requests[-1].session
+    size = fake_executor.sessions[session]
+    tokens = ag.assets["pump-1"].session_tokens
+    assert tokens == size > 0
+    clock.advance(3)
+    fake_executor.answer, fake_executor.finish_reason = "The recent", "deadline"
+    ag.tick_once("pump-1")
+    cut = fake_executor.requests[-1]
+    assert cut.session == session and not cut.keep_partial
+    assert fake_executor.sessions[session] == size and ag.assets["pump-1"].session_tokens == size
+    clock.advance(3)
+    fake_executor.answer, fake_executor.finish_reason = "No fault: no action.", "stop"
+    ag.tick_once("pump-1")
+    assert fake_executor.requests[-1].session == session  # the same session goes on
+    assert ag.assets["pump-1"].session_tokens == fake_executor.sessions[session] > size
+
+
 def test_commentary_that_contradicts_the_diagnosis_is_withheld(tmp_path, fake_executor,
                                                              scheduler, clock):
     ag = make_agent(tmp_path, fake_executor, scheduler, clock, assets=(

@@ -30,6 +30,8 @@ EVIDENCE = diagnosis_text(OUTER)
     ("Outer race defect: stop the machine immediately.", OUTER, "overstates"),
     ("Alert: outer race defect.", NONE, "outer race"),
     ("", OUTER, "empty"),
+    ("The recent", NONE, "fragment"),
+    ("Outer", OUTER, "fragment"),
 ])
 def test_contradictions_are_withheld(text, diagnosis, bad):
     v = check(text, diagnosis, EVIDENCE)
@@ -41,6 +43,7 @@ def test_contradictions_are_withheld(text, diagnosis, bad):
     ("Outer race damage (BPFO 8.1x, 2xBPFO 5.2x); not normal: plan a bearing change.", OUTER),
     ("No fault: RMS 0.42 mm/s in zone A; no action.", NONE),
     ("Normal operation, no imbalance and no misalignment.", NONE),
+    ("No fault.", NONE),  # short, but a sentence
 ])
 def test_restatements_pass(text, diagnosis):
     assert check(text, diagnosis, diagnosis_text(diagnosis)).ok
