@@ -66,7 +66,17 @@ class AssetState:
             self.llm_failing += 1
             self.llm_error = done.error
             return
-        self.llm_failing = 0
+        if res.finish_reason in ("deadline", "cancelled"):
+            # no commentary: a failed turn for `llm:ASSET` (every turn cut means the device
+            # cannot finish a sentence within the interval)
+            self.llm_errors += 1
+            self.llm_failing += 1
+            self.llm_error = (f"commentary cut at the tick's deadline after {res.new_tokens} "
+                              f"tokens (the model does not finish a sentence within the "
+                              f"interval: fewer assets with llm, a longer tick interval or a "
+                              f"faster device)")
+        else:
+            self.llm_failing = 0
         # a tick's turn cut off by its deadline is not kept in its session (`keep_partial`: a
         # fragment there teaches the model to answer with fragments), so the session's size
         # stays what it was

@@ -306,9 +306,18 @@ def test_a_cut_commentary_is_not_kept_in_the_session(tmp_path, fake_executor, sc
     cut = fake_executor.requests[-1]
     assert cut.session == session and not cut.keep_partial
     assert fake_executor.sessions[session] == size and ag.assets["pump-1"].session_tokens == size
+    st = ag.assets["pump-1"]
+    assert st.llm_failing == 1 and "deadline" in (st.llm_error or "")  # no commentary: failed
+    for _ in range(2):
+        clock.advance(3)
+        ag.tick_once("pump-1")
+    from kvagentd.health import checks
+    check = checks.llm(ag.asset_views()[0])
+    assert check.level is checks.DEGRADED and "tick's deadline" in check.reason
     clock.advance(3)
     fake_executor.answer, fake_executor.finish_reason = "No fault: no action.", "stop"
     ag.tick_once("pump-1")
+    assert st.llm_failing == 0
     assert fake_executor.requests[-1].session == session  # the same session goes on
     assert ag.assets["pump-1"].session_tokens == fake_executor.sessions[session] > size
 
