@@ -331,7 +331,8 @@ class Agent:
                  system: str | None, *, started: float) -> tuple[str | None, bool, str | None]:
         """The model's commentary on this tick: (text shown, withheld?, note)."""
         assert self.model is not None
-        done = self.model.submit_tick(session, text, system, started=started)
+        done = self.model.submit_tick(session, text, system, started=started,
+                                      first=st.session_tokens == 0)
         st.account(done, self.clock())
         if done.outgrown:
             # the session holds more than the hot pool can: it would fail every tick from now

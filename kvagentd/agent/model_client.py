@@ -84,16 +84,20 @@ class ModelClient:
         self.config = config
 
     def submit_tick(self, session: str, text: str, system: str | None, *,
-                    started: float | None = None) -> Completion:
+                    started: float | None = None, first: bool = False) -> Completion:
         """Submit one tick's turn at TICK priority and wait for it (see module docstring).
         `started` (`time.perf_counter()` when the tick began) puts the deadline at the end of
-        the tick's interval, less `TICK_MARGIN` of it for the engine step that crosses it."""
+        the tick's interval, less `TICK_MARGIN` of it for the engine step that crosses it.
+        A turn the deadline cuts is kept in the session only when it is the session's `first`
+        (the system prompt, profile and summary: without it a device that cannot finish that
+        turn in one interval would never get past it); a later one is not, as the model copies
+        fragments it sees in its context."""
         cfg = self.config
         elapsed = 0.0 if started is None else time.perf_counter() - started
         deadline = max(0.05, cfg.tick_interval_s * (1.0 - TICK_MARGIN) - elapsed)
         req = GenerationRequest(session=session, text=text, system=system,
                                 max_new_tokens=cfg.assessment_max_tokens, priority=Priority.TICK,
-                                deadline_s=deadline, one_sentence=True, keep_partial=False)
+                                deadline_s=deadline, one_sentence=True, keep_partial=first)
         try:
             job = cast(GenerationJob, self.beat.submit(req))
         except QueueFull:

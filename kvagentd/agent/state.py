@@ -77,10 +77,10 @@ class AssetState:
                               f"faster device)")
         else:
             self.llm_failing = 0
-        # a tick's turn cut off by its deadline is not kept in its session (`keep_partial`: a
+        # a later turn cut off by its deadline is not kept in its session (`submit_tick`: a
         # fragment there teaches the model to answer with fragments), so the session's size
-        # stays what it was
-        if res.finish_reason not in ("deadline", "cancelled"):
+        # stays what it was; a first one is kept
+        if res.finish_reason not in ("deadline", "cancelled") or not self.session_tokens:
             total = int(res.prompt_tokens) + int(res.new_tokens)
             # a later turn's growth estimates the next one; a first turn's (system prompt,
             # profile and summary) does not, so after one the default estimate stands

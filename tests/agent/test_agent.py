@@ -293,10 +293,14 @@ def test_commentary_cut_at_the_deadline_is_not_shown(tmp_path, fake_executor, sc
 def test_a_cut_commentary_is_not_kept_in_the_session(tmp_path, fake_executor, scheduler, clock):
     """A fragment kept as the assistant's turn is copied by the model in the next turns (the
     field saw 'The recent' answered tick after tick): the tick asks the engine not to keep a
-    turn its deadline cut, and the session's size stays what it was."""
+    later turn its deadline cut, and the session's size stays what it was. A first turn is
+    kept all the same (a slow device would otherwise redo it, and fail it, every tick)."""
     ag = make_agent(tmp_path, fake_executor, scheduler, clock)
-    ag.tick_once("pump-1")
-    session = fake_executor.requests[-1].session
+    fake_executor.answer, fake_executor.finish_reason = "Pump-1 runs in zone", "deadline"
+    ag.tick_once("pump-1")  # a first turn is kept, cut or not: it starts the session
+    first = fake_executor.requests[-1]
+    assert first.keep_partial and first.session in fake_executor.sessions
+    session = first.session
     size = fake_executor.sessions[session]
     tokens = ag.assets["pump-1"].session_tokens
     assert tokens == size > 0
@@ -307,7 +311,7 @@ def test_a_cut_commentary_is_not_kept_in_the_session(tmp_path, fake_executor, sc
     assert cut.session == session and not cut.keep_partial
     assert fake_executor.sessions[session] == size and ag.assets["pump-1"].session_tokens == size
     st = ag.assets["pump-1"]
-    assert st.llm_failing == 1 and "deadline" in (st.llm_error or "")  # no commentary: failed
+    assert st.llm_failing == 2 and "deadline" in (st.llm_error or "")  # no commentary: failed
     for _ in range(2):
         clock.advance(3)
         ag.tick_once("pump-1")
