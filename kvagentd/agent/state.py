@@ -66,7 +66,8 @@ class AssetState:
             self.llm_failing += 1
             self.llm_error = done.error
             return
-        if res.finish_reason in ("deadline", "cancelled"):
+        cut = res.finish_reason in ("deadline", "cancelled")
+        if cut:
             # no commentary: a failed turn for `llm:ASSET` (every turn cut means the device
             # cannot finish a sentence within the interval)
             self.llm_errors += 1
@@ -80,7 +81,7 @@ class AssetState:
         # a later turn cut off by its deadline is not kept in its session (`submit_tick`: a
         # fragment there teaches the model to answer with fragments), so the session's size
         # stays what it was; a first one is kept
-        if res.finish_reason not in ("deadline", "cancelled") or not self.session_tokens:
+        if not cut or not self.session_tokens:
             total = int(res.prompt_tokens) + int(res.new_tokens)
             # a later turn's growth estimates the next one; a first turn's (system prompt,
             # profile and summary) does not, so after one the default estimate stands
