@@ -21,7 +21,10 @@ def render_stats(d: dict[str, Any]) -> str:
     rows = [{"tier": t, "events": tiers.get(t, 0)} for t in ("hot", "warm", "cold", "unknown")]
     return (render.kv({k: d.get(k) for k in ("capacity", "events", "recorded", "sessions",
                                              "blocks", "first_tick", "last_tick")})
-            + f"\nspan: {render.duration(d.get('span_s'))}\n\n"
+            + f"\nspan: {render.duration(d.get('span_s'))}\n"
+            + (f"block: {d['block_tokens']} tokens, {render.size(d.get('block_bytes'))}\n"
+               if d.get("block_tokens") else "")
+            + "\n"
             + render.table(rows, [("tier", "tier at access"), ("events", "events")]))
 
 

@@ -83,6 +83,7 @@ def test_a_dump_carries_the_block_size_where_known(tmp_path, suffix):
     bare.record(0, 1.0, "a", [k(1)])
     bare.dump(tmp_path / f"bare{suffix}")
     assert load_block_size(tmp_path / f"bare{suffix}") is None
+    assert r.stats()["block_tokens"] == 16 and "block_tokens" not in bare.stats()
 
 
 @pytest.mark.parametrize("head", ['{"kvagentd_trace": 1, "block_tokens": 16}',
@@ -167,4 +168,7 @@ def test_kvctl_trace_commands_register():
     text = cmd_trace.render_stats({"capacity": 10, "events": 3, "recorded": 5, "sessions": 1,
                                    "blocks": 2, "first_tick": 0, "last_tick": 2, "span_s": 1.5,
                                    "by_tier": {"hot": 1, "cold": 2}})
-    assert "cold" in text and "3" in text
+    assert "cold" in text and "3" in text and "block:" not in text
+    sized = cmd_trace.render_stats({"events": 1, "by_tier": {}, "block_tokens": 16,
+                                    "block_bytes": 737_280})
+    assert "block: 16 tokens, 720.0 KiB" in sized

@@ -141,7 +141,7 @@ class TraceRecorder:
                    "unknown": int(tiers[0])}
         return {"capacity": self.capacity, "events": len(self), "recorded": self.recorded,
                 "sessions": sessions, "blocks": blocks, "first_tick": first, "last_tick": last,
-                "span_s": span, "by_tier": by_tier}
+                "span_s": span, "by_tier": by_tier, **_meta(self.block_size)}
 
     def dump(self, path: str | os.PathLike[str]) -> int:
         """Write the ring to `path` (.npz -> numpy archive, else JSON lines); returns events."""
