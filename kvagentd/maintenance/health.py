@@ -12,10 +12,7 @@ store's own I/O error counters, then:
 - SMART says failed, or new cold I/O errors -> failover to the shadow directory;
 - free space below `free_space_floor_bytes` (or short of what a restore from the shadow needs
   on top of it) -> evict cold blocks, expired (TTL) first, then the coldest by last access,
-  until the floor is met, and compact (on the SSD also while the shadow serves);
-- dead bytes on the SSD (records replaced, evicted or dropped, still in their segment files)
-  past `dead_limit` -> compact now rather than at the next defrag: a busy cold tier otherwise
-  holds many times its capacity on disk between defrags.
+  until the floor is met, and compact (on the SSD also while the shadow serves).
 """
 
 from __future__ import annotations
@@ -280,14 +277,6 @@ class HealthReport:
     wear_percent: float | None = None  # SMART percentage used, when the status file has it
 
 
-def dead_limit(cfg: Config) -> int:
-    """Dead bytes the SSD may hold before a check compacts: a quarter of the cold capacity
-    (so the tier's files stay within about 1.25x what it holds; compaction rewrites segments at
-    least half dead, at most one byte rewritten per byte freed), and never less than four
-    segments, so a small tier does not compact on every check."""
-    return max(4 * int(cfg.kv.segment_bytes), int(cfg.kv.cold_capacity_bytes) // 4)
-
-
 class HealthMonitor:
     """Acts on the SSD status file, free space and cold I/O errors; one `check()` per interval.
 
@@ -322,11 +311,6 @@ class HealthMonitor:
         if not isinstance(st, dict):
             return 0
         return int(st.get("io_errors", 0) or 0) + int(st.get("write_failures", 0) or 0)
-
-    def _cold_dead_bytes(self) -> int:
-        assert self.cold is not None
-        st = self.cold.stats()
-        return int(st.get("dead_bytes", 0) or 0) if isinstance(st, dict) else 0
 
     def check(self) -> HealthReport:
         m = self.cfg.maintenance
@@ -385,10 +369,6 @@ class HealthMonitor:
                    else f"a restore from the shadow waits for {wanted} B more free space")
             warnings.append(f"{why}: evicted {evicted} cold blocks, compaction reclaimed "
                             f"{reclaimed} B")
-        elif self.cold is not None and (dead := self._cold_dead_bytes()) > dead_limit(self.cfg):
-            reclaimed = int(self.cold.compact(0.5) or 0)
-            log.info("cold_compacted", reason="dead bytes past the limit", dead_bytes=dead,
-                     limit=dead_limit(self.cfg), reclaimed_bytes=reclaimed)
         for w in warnings:
             log.warning("ssd_health", warning=w)
         self.last = HealthReport(status.state.value, self._read_only_by_wear, free,

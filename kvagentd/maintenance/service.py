@@ -50,6 +50,22 @@ def _as_idle(fn: Callable[..., bool]) -> Callable[[float], bool]:
     return fn if takes else (lambda _s: fn())
 
 
+COMPACT_IDLE_S = 1.0  # a rewriting compaction waits for this long a gap before the next tick
+
+
+def dead_limit(cfg: Config) -> int:
+    """Dead bytes the SSD may hold before compaction: a quarter of the cold capacity (so the
+    tier's files stay within about 1.25x what it holds; a rewrite of segments at least half
+    dead copies at most one byte per byte it frees), and never less than four segments, so a
+    small tier does not compact on every check."""
+    return max(4 * int(cfg.kv.segment_bytes), int(cfg.kv.cold_capacity_bytes) // 4)
+
+
+def _dead_bytes(cold: ColdTier) -> int:
+    st = cold.stats()
+    return int(st.get("dead_bytes", 0) or 0) if isinstance(st, dict) else 0
+
+
 class Maintenance:
     """start/stop/status/reload plus the operations behind kvctl defrag/tune/failover/scrub."""
 
@@ -85,7 +101,8 @@ class Maintenance:
             if self.scrubber is not None:
                 self._add("maintenance.scrub", self._scrub_job, m.scrub_interval_s)
         self.started = True
-        self._health_job()  # act on the status file right away (read-only, failed SSD)
+        # act on the status file right away (read-only, failed SSD)
+        self._health_job(startup=True)
 
     def _add(self, job_id: str, fn: Callable[[], Any], every_s: float) -> None:
         self.scheduler.add_job(fn, "interval", seconds=every_s, id=job_id, name=job_id,
@@ -147,12 +164,33 @@ class Maintenance:
             except DefragBusy:
                 return
 
-    def _health_job(self) -> None:
+    def _health_job(self, *, startup: bool = False) -> None:
         self.monitor.check()
         if self.store is not None:
             expired = self.store.expire_cold()  # cold TTL (refreshed on access)
             if expired:
                 log.info("cold_ttl_expired", blocks=expired)
+        if not startup:  # a backlog of dead segments must not hold up the start
+            self.compact_dead()
+
+    def compact_dead(self) -> int:
+        """Reclaim the SSD space of dead cold records (replaced, evicted or dropped: they stay
+        in their segment files until compaction) once it passes `dead_limit`: segments with
+        nothing live go at once (no copying: a short pause of cold I/O), and segments at least
+        half dead are rewritten when the daemon is idle (compaction holds the cold tier's
+        locks while it copies). Returns bytes reclaimed."""
+        if self.cold is None:
+            return 0
+        limit = dead_limit(self.config)
+        dead = _dead_bytes(self.cold)
+        if dead <= limit:
+            return 0
+        reclaimed = int(self.cold.compact(1.0) or 0)
+        if dead - reclaimed > limit and self.is_idle(COMPACT_IDLE_S):
+            reclaimed += int(self.cold.compact(0.5) or 0)
+        log.info("cold_compacted", reason="dead bytes past the limit", dead_bytes=dead,
+                 limit=limit, reclaimed_bytes=reclaimed)
+        return reclaimed
 
     def _scrub_job(self) -> None:
         if self.scrubber is not None:

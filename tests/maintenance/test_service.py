@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 import typer
 from apscheduler.schedulers.background import BackgroundScheduler
 from typer.testing import CliRunner
@@ -213,3 +214,52 @@ def test_scrub_routes_run_in_background(env):
             assert st["bad_records"] == 0
     finally:
         server.stop(1.0)
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_dead_cold_records_are_compacted_away(tmp_path, idle):
+    """Records evicted for capacity stay in their segment files until compaction; past
+    `dead_limit` the health job drops the segments with nothing live at once, and rewrites the
+    mostly dead ones only while the daemon is idle (the rewrite holds the cold tier's locks)."""
+    from kvagentd.config import Config, KVConfig, MaintenanceConfig
+    from kvagentd.config.values import ByteSize
+    from kvagentd.kvcache.cold.store import ColdStore
+    from kvagentd.maintenance.service import dead_limit
+
+    cap = seg = 1 << 20
+    cfg = Config(kv=KVConfig(cold_dir=tmp_path, cold_capacity_bytes=ByteSize(cap),
+                             segment_bytes=ByteSize(seg)),
+                 maintenance=MaintenanceConfig(health_status_file=tmp_path / "h.json",
+                                               free_space_floor_bytes=ByteSize(0)))
+    cold = ColdStore(tmp_path / "cold", GEOM, NS, capacity_bytes=cap, segment_bytes=seg,
+                     o_direct=False)
+    m = Maintenance(cfg, None, cold, None, is_idle=lambda: idle)
+    limit = dead_limit(cfg)
+    assert limit == 4 * seg
+    n = 0
+    while cold.stats()["dead_bytes"] <= limit:
+        keys = [key(i) for i in range(n, n + 100)]
+        assert all(cold.put_many(keys, [block(i) for i in range(n, n + 100)]))
+        n += 100
+    keep = key(n - 1)
+    m.start()  # the check at start leaves a backlog for the timers
+    backlog = cold.stats()
+    assert backlog["dead_bytes"] > limit
+    copied = []
+    copy = cold.writer.copy
+    cold.writer.copy = lambda k, buf: (copied.append(k), copy(k, buf))[1]
+    m._health_job()
+    st = cold.stats()
+    assert st["disk_bytes"] < backlog["disk_bytes"]
+    if idle:
+        assert st["dead_bytes"] < limit and st["disk_bytes"] <= cap + limit
+    else:  # only what needs no copying went
+        assert not copied and all(u.live > 0 for u in cold.index.segment_use())
+    assert st["bytes_used"] <= cap and cold.contains(keep)
+    outs = [torch.empty(GEOM.block_shape)]
+    assert cold.read_into([keep], outs) == [True] and torch.equal(outs[0], block(n - 1))
+    before = st["disk_bytes"]
+    m._health_job()
+    assert cold.stats()["disk_bytes"] == before  # nothing more to do
+    m.stop()
+    cold.close()
