@@ -8,7 +8,8 @@ root); failover operations need that pair, the rest any `ColdTier`.
 
 `is_idle(expected_s)` (or a zero-argument callable) says whether the daemon may pause for about
 `expected_s` seconds now: no request running and no agent tick due within that time. The timed
-defrag runs only then, and stops between chunks when it turns False.
+defrag runs only then, and stops between chunks when it turns False; so does the rewrite of
+mostly dead cold segments (`compact_dead`, from the health timer).
 """
 
 from __future__ import annotations
