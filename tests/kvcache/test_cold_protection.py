@@ -4,6 +4,7 @@ drops one anyway is caught by `check_integrity()`."""
 from __future__ import annotations
 
 import pytest
+import structlog
 
 from kvagentd.kvcache.base import BlockKey, Tier
 from kvagentd.kvcache.state import BlockState, IntegrityError
@@ -45,7 +46,12 @@ def test_capacity_eviction_skips_protected_records(make_cold, geometry, namespac
     assert set(cs.keys()) == {keys[0], keys[2], keys[4], keys[5]}
     # full of protected records: a refusal, not a device fault
     heard.keep = set(cs.keys())
-    assert cs.put(keys[6], z) is False
+    with structlog.testing.capture_logs() as logs:
+        assert cs.put(keys[6], z) is False
+    # the log says why the blocks that were to go to cold did not (the store's
+    # `migration_failed` names only the block)
+    (full,) = [e for e in logs if e["event"] == "cold_full"]
+    assert full["refused"] == 1 and "pinned or in use" in full["reason"]
     st = cs.stats()
     assert st["refused_full"] == 1 and st["write_failures"] == 0
     assert set(cs.keys()) == {keys[0], keys[2], keys[4], keys[5]}

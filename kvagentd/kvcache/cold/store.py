@@ -218,6 +218,9 @@ class ColdStore:
                 if not self._make_room(len(todo) * self.writer.rec):
                     # full of records that must stay: a refusal, not a fault of the device
                     self.counters["refused_full"] += len(todo)
+                    log.warning("cold_full", refused=len(todo), capacity_bytes=self.capacity_bytes,
+                                reason="every record left is pinned or in use",
+                                hint="raise kv.cold_capacity_bytes, or unpin blocks")
                     return [keys[i] in present for i in range(n)]
                 self.writer.put(keys, blocks, todo, session=session, num_tokens=num_tokens)
             except OSError as exc:
