@@ -43,7 +43,7 @@ from kvagentd.agent import grounding, jobs, prompts
 from kvagentd.agent.beat import aligned_start
 from kvagentd.agent.diagnosis.diagnoser import Diagnoser, SpeedRefused
 from kvagentd.agent.events import EventLog
-from kvagentd.agent.model_client import Executor, ModelClient
+from kvagentd.agent.model_client import Completion, Executor, ModelClient
 from kvagentd.agent.reports import ReportWriter
 from kvagentd.agent.sensors import BadData, validate
 from kvagentd.agent.sources import make_source
@@ -356,7 +356,7 @@ class Agent:
             return None, False, (f"commentary cut at the tick's deadline after "
                                  f"{done.result.new_tokens} tokens (not shown)")
         st.commentaries += 1
-        verdict = grounding.check(done.text, d, text)
+        verdict = grounding.check(done.text, d, text, ended=_ended(done))
         if not verdict.ok:
             st.withheld += 1
             # NOTE: the contradicting text is in this session's KV; a new session keeps it out
@@ -408,7 +408,8 @@ class Agent:
         done = self.model.generate(sid, text, prompts.SYSTEM_PROMPT, priority=Priority.ASK,
                                    max_new_tokens=max_tokens)
         self._asked.add(sid)
-        verdict = grounding.check(done.text, d or {"fault": "none", "zone": "A"}, text)
+        verdict = grounding.check(done.text, d or {"fault": "none", "zone": "A"}, text,
+                                  ended=_ended(done))
         res = done.result
         return {"asset": asset, "session": sid, "diagnosis": d,
                 "commentary": done.text if verdict.ok else None,
@@ -456,3 +457,9 @@ class Agent:
                 "events_db": str(self.events.path), "event_rows": self.events.count(),
                 "windows_stored": len(self.windows), "windows_bytes": self.windows.bytes,
                 "sources": {name: st.source.status() for name, st in self.assets.items()}}
+
+
+def _ended(done: Completion) -> bool:
+    """Whether the model ended its text itself (an end of turn or of its sentence), not a
+    token limit."""
+    return done.result is not None and done.result.finish_reason == "stop"

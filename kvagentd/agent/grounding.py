@@ -1,8 +1,10 @@
 """Checks the model's commentary against the measured diagnosis before anyone sees it.
 
-`check(text, diagnosis, evidence)` -> `Verdict(ok, reasons)`. The text is withheld when it
-- is empty, or a fragment: under three words that do not end a sentence ("The recent": a
-  model that stops that early has copied a turn cut short, it says nothing);
+`check(text, diagnosis, evidence, ended=...)` -> `Verdict(ok, reasons)`. The text is withheld
+when it
+- is empty, or a fragment the model `ended` by itself: under three words that end no sentence
+  ("The recent", end of turn: a copy of a turn cut short, it says nothing; text cut by a token
+  limit is judged as any text);
 - says the machine is normal, healthy, fine or idle while a fault is diagnosed or the ISO zone
   is C or D;
 - raises an alarm (alert, alarm, danger, fault, defect, damage) while the diagnosis is `none`
@@ -88,11 +90,18 @@ def _grounded(value: float, decimals: int, allowed: list[float]) -> bool:
     return False
 
 
-def check(text: str | None, diagnosis: Mapping[str, Any], evidence: str) -> Verdict:
-    """Is `text` consistent with `diagnosis` (its dict) and the `evidence` it was given?"""
+def fragment(text: str) -> bool:
+    """Under three words that end no sentence."""
+    return len(text.split()) < 3 and not text.rstrip().endswith((".", "!", "?"))
+
+
+def check(text: str | None, diagnosis: Mapping[str, Any], evidence: str, *,
+          ended: bool = False) -> Verdict:
+    """Is `text` consistent with `diagnosis` (its dict) and the `evidence` it was given?
+    `ended`: the model ended the text itself (not a token limit)."""
     if not text or not text.strip():
         return Verdict(False, ("empty",))
-    if len(text.split()) < 3 and not text.rstrip().endswith((".", "!", "?")):
+    if ended and fragment(text):
         return Verdict(False, (f"a fragment ({text.strip()!r}), not a sentence",))
     fault = str(diagnosis.get("fault", "none"))
     zone = str(diagnosis.get("zone") or "A")

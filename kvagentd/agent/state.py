@@ -33,8 +33,9 @@ class AssetState:
     missed: int = 0
     rollovers: int = 0
     llm_errors: int = 0
-    llm_failing: int = 0  # model turns failed in a row (0 after one that answered)
-    llm_error: str | None = None  # the last failure
+    llm_cut: int = 0  # model turns the tick's deadline cut (no commentary)
+    llm_failing: int = 0  # model turns without commentary in a row (0 after one that answered)
+    llm_error: str | None = None  # why the last of them gave none
     commentaries: int = 0  # model answers checked against the diagnosis
     withheld: int = 0  # ... of which contradicted it and were not shown
     unrecorded: int = 0  # ticks not written to the event log since one was (disk full, I/O)
@@ -68,9 +69,9 @@ class AssetState:
             return
         cut = res.finish_reason in ("deadline", "cancelled")
         if cut:
-            # no commentary: a failed turn for `llm:ASSET` (every turn cut means the device
-            # cannot finish a sentence within the interval)
-            self.llm_errors += 1
+            # no commentary: counts for `llm:ASSET` (every turn cut means the device cannot
+            # finish a sentence within the interval)
+            self.llm_cut += 1
             self.llm_failing += 1
             self.llm_error = (f"commentary cut at the tick's deadline after {res.new_tokens} "
                               f"tokens (the model does not finish a sentence within the "
@@ -115,7 +116,7 @@ class AssetState:
             "tick_latency_p50_s": round(float(np.percentile(lat, 50)), 4) if lat.size else None,
             "tick_latency_p99_s": round(float(np.percentile(lat, 99)), 4) if lat.size else None,
             "skipped_ticks": self.skipped, "missed_ticks": self.missed,
-            "llm_errors": self.llm_errors, "bad_samples": dict(self.bad),
+            "llm_errors": self.llm_errors, "llm_cut": self.llm_cut, "bad_samples": dict(self.bad),
             "bad_samples_total": sum(self.bad.values()),
             "blocks_loaded_by_tier": dict(self.loaded),
             "prompt_tokens_reused": round(self.reused_tokens / self.prompt_tokens, 4)

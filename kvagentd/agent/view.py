@@ -28,9 +28,10 @@ class AssetView(NamedTuple):
     bad_samples: dict[str, int]  # per reason, since start
     message_age_s: float | None = None  # MQTT: since the last message arrived (None: none yet)
     last_refused: str | None = None  # the newest window was refused: why ("stale: ...")
-    llm_failing: int = 0  # the asset's model turns failed in a row
-    llm_error: str | None = None  # the last failure
-    llm_errors: int = 0  # since start
+    llm_failing: int = 0  # the asset's model turns in a row without commentary
+    llm_error: str | None = None  # why the last of them gave none
+    llm_errors: int = 0  # model turns failed since start
+    llm_cut: int = 0  # model turns the tick's deadline cut since start
 
 
 class _AssetState(Protocol):
@@ -43,6 +44,7 @@ class _AssetState(Protocol):
     llm_failing: int
     llm_error: str | None
     llm_errors: int
+    llm_cut: int
 
 
 def stale_after_s(config: AgentConfig) -> float:
@@ -83,4 +85,5 @@ def asset_view(st: _AssetState, last_row: dict[str, Any] | None, config: AgentCo
         message_age_s=message_age,
         last_refused=str(newest.get("note") or "refused")
         if newest and newest.get("kind") == "bad_data" else None,
-        llm_failing=st.llm_failing, llm_error=st.llm_error, llm_errors=st.llm_errors)
+        llm_failing=st.llm_failing, llm_error=st.llm_error, llm_errors=st.llm_errors,
+        llm_cut=st.llm_cut)

@@ -50,7 +50,7 @@ def assess(cfg: Config, facts: Facts, acks: Acknowledgements) -> Report:
     for t in facts.ticks:
         checks += [ticks(t, h), skip_rate(t, h), tick_p99(t, h)]
     checks += [sensor(a, h) for a in facts.assets]
-    checks += [llm(a) for a in facts.assets if a.llm_errors]
+    checks += [llm(a) for a in facts.assets if a.llm_errors or a.llm_cut]
     checks += list(_cold(facts, h, acks))
     if facts.wear is not None:
         checks.append(ssd_wear(facts.wear, h, cfg.maintenance.wear_readonly_percent))
@@ -201,14 +201,16 @@ LLM_FAILING_TURNS = 3
 def llm(a: AssetView) -> Check:
     """Whether the asset's ticks get their commentary."""
     name = f"llm:{a.name}"
+    since = f"{a.llm_errors} turns failed" + (
+        f" and {a.llm_cut} were cut by the tick's deadline" if a.llm_cut else "") + " since start"
     if a.llm_failing >= LLM_FAILING_TURNS:
-        return Check(name, DEGRADED, f"the last {a.llm_failing} model turns failed, the last "
-                                     f"with {a.llm_error}; ticks still measure and diagnose "
-                                     f"({a.llm_errors} failed since start)")
+        return Check(name, DEGRADED, f"the last {a.llm_failing} model turns gave no commentary, "
+                                     f"the last: {a.llm_error}; ticks still measure and "
+                                     f"diagnose ({since})")
     if a.llm_failing:
-        return Check(name, OK, f"the last model turn failed ({a.llm_error}); "
-                               f"{a.llm_errors} failed since start")
-    return Check(name, OK, f"answering; {a.llm_errors} turns failed since start")
+        return Check(name, OK, f"the last model turn gave no commentary ({a.llm_error}); "
+                               f"{since}")
+    return Check(name, OK, f"answering; {since}")
 
 
 def _bad(bad: dict[str, int]) -> str:

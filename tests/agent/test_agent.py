@@ -326,6 +326,17 @@ def test_a_cut_commentary_is_not_kept_in_the_session(tmp_path, fake_executor, sc
     assert ag.assets["pump-1"].session_tokens == fake_executor.sessions[session] > size
 
 
+def test_a_fragment_the_model_ended_itself_is_withheld(tmp_path, fake_executor, scheduler,
+                                                        clock):
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    fake_executor.answer, fake_executor.finish_reason = "The recent", "stop"
+    row = ag.tick_once("pump-1")
+    assert row["withheld"] and "a fragment ('The recent')" in row["note"]
+    clock.advance(3)  # the same words cut by the token limit are judged as any text
+    fake_executor.answer, fake_executor.finish_reason = "Zone A", "length"
+    assert ag.tick_once("pump-1")["assessment"] == "Zone A"
+
+
 def test_commentary_that_contradicts_the_diagnosis_is_withheld(tmp_path, fake_executor,
                                                              scheduler, clock):
     ag = make_agent(tmp_path, fake_executor, scheduler, clock, assets=(

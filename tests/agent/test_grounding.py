@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvagentd.agent.grounding import check
+from kvagentd.agent.grounding import check, fragment
 from kvagentd.agent.prompts import diagnosis_text
 
 OUTER = {"fault": "outer_race", "severity": "low", "confidence": 0.9, "zone": "A",
@@ -30,8 +30,6 @@ EVIDENCE = diagnosis_text(OUTER)
     ("Outer race defect: stop the machine immediately.", OUTER, "overstates"),
     ("Alert: outer race defect.", NONE, "outer race"),
     ("", OUTER, "empty"),
-    ("The recent", NONE, "fragment"),
-    ("Outer", OUTER, "fragment"),
 ])
 def test_contradictions_are_withheld(text, diagnosis, bad):
     v = check(text, diagnosis, EVIDENCE)
@@ -43,7 +41,6 @@ def test_contradictions_are_withheld(text, diagnosis, bad):
     ("Outer race damage (BPFO 8.1x, 2xBPFO 5.2x); not normal: plan a bearing change.", OUTER),
     ("No fault: RMS 0.42 mm/s in zone A; no action.", NONE),
     ("Normal operation, no imbalance and no misalignment.", NONE),
-    ("No fault.", NONE),  # short, but a sentence
 ])
 def test_restatements_pass(text, diagnosis):
     assert check(text, diagnosis, diagnosis_text(diagnosis)).ok
@@ -52,3 +49,14 @@ def test_restatements_pass(text, diagnosis):
 def test_secondary_patterns_may_be_named():
     d = {**OUTER, "zone": "C", "secondary": ["imbalance"]}
     assert check("Outer race defect with imbalance.", d, EVIDENCE).ok
+
+
+@pytest.mark.parametrize("text,is_fragment", [
+    ("The recent", True), ("Outer", True), ("No fault.", False),  # short, but a sentence
+    ("Zone A, no action", False),
+])
+def test_fragments(text, is_fragment):
+    assert fragment(text) is is_fragment
+    # withheld only where the model ended the text itself, not a token limit
+    assert check(text, NONE, EVIDENCE, ended=True).ok is not is_fragment
+    assert "fragment" not in check(text, NONE, EVIDENCE).reason

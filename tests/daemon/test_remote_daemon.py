@@ -5,6 +5,7 @@ daemon finds it again by itself, health recovers and the fleet lists the box aga
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -65,7 +66,8 @@ heartbeat_interval_s = 1.0
         assert _remote_check(p)["status"] == "ok"
         boxes = _fleet(p, capsys)["boxes"]
         assert [b["box"] for b in boxes] == ["edge-7"] and boxes[0]["alive"]
-        assert boxes[0]["assets"]["pump-1"]["session"] == "pump-1-1"
+        # the asset's rolling session (the tiny model's text may be withheld, which rolls it over)
+        assert re.fullmatch(r"pump-1-\d+", boxes[0]["assets"]["pump-1"]["session"])
 
         redis.kill()
         degraded = _until(lambda: (c := _remote_check(p))["status"] == "degraded" and c, 30,

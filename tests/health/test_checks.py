@@ -227,6 +227,9 @@ def test_llm_is_degraded_after_three_failed_turns_in_a_row() -> None:
     assert one.level is OK and "needs 75 hot blocks" in one.reason  # a moment, said
     three = checks.llm(_view(llm_failing=3, llm_error=err, llm_errors=6))
     assert three.level is DEGRADED and three.name == "llm:pump-1"
-    assert "last 3 model turns failed" in three.reason and "75 hot blocks" in three.reason
-    assert "6 failed since start" in three.reason
+    assert "last 3 model turns gave no commentary" in three.reason
+    assert "75 hot blocks" in three.reason and "6 turns failed since start" in three.reason
+    cut = checks.llm(_view(llm_failing=3, llm_error="commentary cut at the tick's deadline",
+                           llm_cut=3))
+    assert cut.level is DEGRADED and "0 turns failed and 3 were cut" in cut.reason
     assert checks.llm(_view(llm_failing=0, llm_errors=6)).level is OK
