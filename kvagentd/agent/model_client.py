@@ -26,6 +26,7 @@ import structlog
 from kvagentd.agent.beat import Beat
 from kvagentd.config import AgentConfig
 from kvagentd.engine.executor import GenerationRequest, HotPoolFull, Priority, QueueFull
+from kvagentd.engine.job import CUT_SHORT
 from kvagentd.engine.sequence import GenerationResult
 
 log = structlog.get_logger(__name__)
@@ -66,6 +67,12 @@ class Completion:
     result: GenerationResult | None = None
     error: str | None = None
     outgrown: bool = False  # the session no longer fits the hot pool (HotPoolFull)
+    kept: bool = True  # the turn is in the session (False: cut short, and not kept)
+
+    @property
+    def cut(self) -> bool:
+        """Ended by its deadline (or a cancel) before the model finished."""
+        return self.result is not None and self.result.finish_reason in CUT_SHORT
 
     @property
     def ok(self) -> bool:
@@ -111,7 +118,7 @@ class ModelClient:
             log.warning("agent.llm_failed", session=session, error=repr(exc))
             return Completion(None, error=f"llm: {type(exc).__name__}: {exc}",
                               outgrown=isinstance(exc, HotPoolFull))
-        return Completion(res.text.strip(), res)
+        return Completion(res.text.strip(), res, kept=first or res.finish_reason not in CUT_SHORT)
 
     def generate(self, session: str, text: str, system: str | None, *,
                  priority: Priority = Priority.REPORT, max_new_tokens: int | None = None,

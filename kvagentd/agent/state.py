@@ -67,8 +67,7 @@ class AssetState:
             self.llm_failing += 1
             self.llm_error = done.error
             return
-        cut = res.finish_reason in ("deadline", "cancelled")
-        if cut:
+        if done.cut:
             # no commentary: counts for `llm:ASSET` (every turn cut means the device cannot
             # finish a sentence within the interval)
             self.llm_cut += 1
@@ -79,10 +78,9 @@ class AssetState:
                               f"faster device)")
         else:
             self.llm_failing = 0
-        # a later turn cut off by its deadline is not kept in its session (`submit_tick`: a
-        # fragment there teaches the model to answer with fragments), so the session's size
-        # stays what it was; a first one is kept
-        if not cut or not self.session_tokens:
+        # a turn not kept in its session (`submit_tick`: a later one cut off by its deadline)
+        # leaves the session's size what it was
+        if done.kept:
             total = int(res.prompt_tokens) + int(res.new_tokens)
             # a later turn's growth estimates the next one; a first turn's (system prompt,
             # profile and summary) does not, so after one the default estimate stands

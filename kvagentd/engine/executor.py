@@ -26,7 +26,7 @@ import structlog
 
 from kvagentd.config import ExecutorConfig
 from kvagentd.engine.blocks import BlockManager
-from kvagentd.engine.job import GenerationRequest, Job, JobState, Priority
+from kvagentd.engine.job import CUT_SHORT, GenerationRequest, Job, JobState, Priority
 from kvagentd.engine.metrics import EngineMetrics
 from kvagentd.engine.runner import ModelRunner
 from kvagentd.engine.scheduler import Need, Scheduler, SchedulerConfig
@@ -319,7 +319,7 @@ class Executor:
             else:  # preempted: its blocks were committed then
                 keys = self.blocks.store.match_prefix(s.tokens).keys
             generated = s.generated
-            cut = why in ("deadline", "cancelled") and not s.job.request.keep_partial
+            cut = why in CUT_SHORT and not s.job.request.keep_partial
             if generated and s.session is not None and not cut:
                 session = s.session
                 session.token_ids = s.tokens + self.chat.close_turn(generated)

@@ -39,6 +39,9 @@ class GenerationRequest:
     keep_partial: bool = True
 
 
+CUT_SHORT = frozenset({"deadline", "cancelled"})  # finish reasons of a turn cut off
+
+
 class JobState(enum.Enum):
     QUEUED = "queued"
     RUNNING = "running"
