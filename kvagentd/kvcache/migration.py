@@ -26,6 +26,8 @@ from kvagentd.kvcache.state import TIER_STATE, BlockMeta, BlockState, transition
 
 log = structlog.get_logger(__name__)
 
+LOGGED_KEYS = 4  # keys a `migration_failed` line names (it counts them all)
+
 
 @dataclass(slots=True)
 class Transfer:
@@ -148,6 +150,7 @@ class Migrator:
     def complete(self, moves: Sequence[Transfer], ok: Sequence[bool]) -> list[BlockMeta]:
         """Publish or revert each move; returns the blocks that became LOST. Wakes waiters."""
         lost = []
+        failed: dict[tuple[Tier, Tier], list[BlockKey]] = {}
         for mv, good in zip(moves, ok):
             m = mv.meta
             if good:
@@ -173,8 +176,22 @@ class Migrator:
                     log.warning("block_lost", key=m.key.hex())
                 else:
                     transition(m, TIER_STATE[mv.src])
-                    log.warning("migration_failed", key=m.key.hex(), src=mv.src.value,
-                                dst=mv.dst.value)
+                    failed.setdefault((mv.src, mv.dst), []).append(m.key)
             m.src_state = m.dst_tier = m.dst_slot = None
+        for (src, dst), keys in failed.items():  # one line per batch, not one per block
+            log.warning("migration_failed", blocks=len(keys), src=src.value, dst=dst.value,
+                        keys=[k.hex() for k in keys[:LOGGED_KEYS]], reason=self._refusal(dst))
         self.cond.notify_all()
         return lost
+
+    def _refusal(self, dst: Tier) -> str:
+        """Why `dst` did not take blocks (only a cold write can fail)."""
+        if dst is not Tier.COLD or self.cold is None:
+            return "the copy failed"
+        why = getattr(self.cold, "unwritable", None)
+        if isinstance(why, str):
+            return f"the cold tier takes no records: {why}"
+        if self.cold.read_only:
+            return "the cold tier is read-only"
+        return ("the cold tier refused the write: full of pinned or in-use records (cold_full) "
+                "or an I/O error (cold_write_failed)")

@@ -7,6 +7,7 @@ import pytest
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, Tier
+from kvagentd.kvcache.placement.base import CODE_OF
 from kvagentd.kvcache.state import BlockState, IntegrityError
 
 from .conftest import compute_blocks, fill_value
@@ -48,8 +49,7 @@ def test_capacity_eviction_skips_protected_records(make_cold, geometry, namespac
     heard.keep = set(cs.keys())
     with structlog.testing.capture_logs() as logs:
         assert cs.put(keys[6], z) is False
-    # the log says why the blocks that were to go to cold did not (the store's
-    # `migration_failed` names only the block)
+    # the log says why the blocks that were to go to cold did not
     (full,) = [e for e in logs if e["event"] == "cold_full"]
     assert full["refused"] == 1 and "pinned or in use" in full["reason"]
     st = cs.stats()
@@ -115,3 +115,25 @@ def test_integrity_catches_a_pinned_block_evicted_anyway(make_store):
     with pytest.raises(IntegrityError, match="pinned or in-use"):
         st.check_integrity()
     st.close()
+
+
+def test_a_refused_cold_write_is_one_warning_with_its_reason(make_store):
+    """Blocks a full cold tier refuses stay where they were, and the log says so once per
+    batch, with how many and why (not one line per block)."""
+    st = make_store(hot=8, warm=0, cold={"capacity_bytes": 2 * REC})
+    toks = list(range(4 * 8))
+    kept = compute_blocks(st, "s", toks, 0, 2)
+    st.release("s")
+    assert st.demote(kept, Tier.COLD) == 2
+    st.pin(kept)  # cold is now full of records that must stay
+    more = compute_blocks(st, "t", toks[:4] + list(range(100, 128)), 1, 3)
+    st.release("t")
+    with structlog.testing.capture_logs() as logs:
+        assert st.demote(more, Tier.COLD) == 0
+    (line,) = [e for e in logs if e["event"] == "migration_failed"]
+    assert line["blocks"] == 3 and line["src"] == "hot" and line["dst"] == "cold"
+    assert line["keys"] == [k.hex() for k in more]
+    assert "pinned or in-use" in line["reason"]
+    where = st.block_states(more)
+    assert where.known.all() and (where.tier == CODE_OF[Tier.HOT]).all()
+    st.check_integrity()
