@@ -343,8 +343,9 @@ class ColdTier(Protocol):
         hears how far the pass is, from time to time."""
         ...
 
-    def compact(self, min_dead_ratio: float = 0.5) -> int:
-        """Rewrite mostly-dead segments; returns bytes reclaimed."""
+    def compact(self, min_dead_ratio: float = 0.5, *, max_copy_bytes: int | None = None) -> int:
+        """Rewrite mostly-dead segments (deadest first; with `max_copy_bytes`, stop starting
+        rewrites once that many live bytes were copied); returns bytes reclaimed."""
         ...
 
     def stats(self) -> dict[str, Any]:

@@ -130,7 +130,7 @@ class FakeCold:
     def stats(self):
         return {"io_errors": self.io_errors}
 
-    def compact(self, min_dead_ratio=0.5):
+    def compact(self, min_dead_ratio=0.5, *, max_copy_bytes=None):
         return 0
 
 

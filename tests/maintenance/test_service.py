@@ -263,3 +263,72 @@ def test_dead_cold_records_are_compacted_away(tmp_path, idle):
     assert cold.stats()["disk_bytes"] == before  # nothing more to do
     m.stop()
     cold.close()
+
+
+def test_a_busy_daemon_past_twice_the_limit_rewrites_the_deadest_within_a_budget(
+        tmp_path, monkeypatch):
+    """A daemon never idle at a health check still bounds its cold files: past twice
+    `dead_limit` it rewrites the deadest segments, no more than `BUSY_COPY_BYTES` of live
+    records a check, and below that it leaves segments with live records alone."""
+    from kvagentd.config import Config, KVConfig, MaintenanceConfig
+    from kvagentd.config.values import ByteSize
+    from kvagentd.kvcache.cold.store import ColdStore
+    from kvagentd.maintenance import service
+    from kvagentd.maintenance.service import dead_limit
+
+    cap = seg = 1 << 20
+
+    class KeepFirsts:  # one record of each segment must stay (pinned, in use)
+        def __init__(self):
+            self.keep = set()
+
+        def cold_protected(self, keys):
+            return {k for k in keys if k in self.keep}
+
+        def cold_evicted(self, keys):
+            pass
+
+    heard = KeepFirsts()
+    cfg = Config(kv=KVConfig(cold_dir=tmp_path, cold_capacity_bytes=ByteSize(cap),
+                             segment_bytes=ByteSize(seg)),
+                 maintenance=MaintenanceConfig(health_status_file=tmp_path / "h.json",
+                                               free_space_floor_bytes=ByteSize(0)))
+    cold = ColdStore(tmp_path / "cold", GEOM, NS, capacity_bytes=cap, segment_bytes=seg,
+                     o_direct=False, listener=heard)
+    m = Maintenance(cfg, None, cold, None, is_idle=lambda: False)
+    limit = dead_limit(cfg)
+    n = 0
+    while cold.stats()["dead_bytes"] <= 2 * limit + 4 * seg:
+        heard.keep.update([key(n)] if n % 192 else [key(n), key(n + 1)])  # some less dead
+        keys = [key(i) for i in range(n, n + 64)]
+        assert all(cold.put_many(keys, [block(i) for i in range(n, n + 64)]))
+        n += 64
+    use = cold.index.segment_use()
+    assert all(u.live > 0 for u in use)  # nothing to drop for free
+    deadest = min(use, key=lambda u: (u.live / u.size, u.segment)).segment
+    expect = {r.key for r in cold.index.segment_rows(deadest)}
+    copied = []
+    copy = cold.writer.copy
+    cold.writer.copy = lambda k, buf: (copied.append(k), copy(k, buf))[1]
+    monkeypatch.setattr(service, "BUSY_COPY_BYTES", 1)  # one segment a check
+    before = cold.stats()
+    m._health_job()
+    after = cold.stats()
+    # the deadest segment's live records went to the write position, and only those
+    assert copied and set(copied) == expect and expect <= heard.keep
+    assert deadest not in {u.segment for u in cold.index.segment_use()}
+    assert after["disk_bytes"] < before["disk_bytes"] and after["dead_bytes"] < before["dead_bytes"]
+    # the checks go on until dead bytes are back under twice the limit, then stop copying
+    for _ in range(200):
+        if cold.stats()["dead_bytes"] <= 2 * limit:
+            break
+        m._health_job()
+    assert cold.stats()["dead_bytes"] <= 2 * limit
+    done = len(copied)
+    m._health_job()
+    assert len(copied) == done
+    for j in range(n):  # every record that had to stay is there, and right
+        if key(j) in heard.keep:
+            out = [torch.empty(GEOM.block_shape)]
+            assert cold.read_into([key(j)], out) == [True] and torch.equal(out[0], block(j))
+    cold.close()

@@ -314,18 +314,19 @@ class FailoverColdStore:
             b = {}
         return {k: int(a.get(k, 0)) + int(b.get(k, 0)) for k in set(a) | set(b)}
 
-    def compact(self, min_dead_ratio: float = 0.5) -> int:
+    def compact(self, min_dead_ratio: float = 0.5, *, max_copy_bytes: int | None = None) -> int:
         """Segment compaction of the SSD store, and of the shadow while it serves; on the
         shadow, the SSD's live records are rewritten only while the device is healthy (a
         full disk), dead segments dropped after I/O errors, nothing while it is read-only."""
         if self.state is ServingTier.SSD:
-            return self.primary.compact(min_dead_ratio)
-        n = self.shadow.compact(min_dead_ratio)
+            return self.primary.compact(min_dead_ratio, max_copy_bytes=max_copy_bytes)
+        n = self.shadow.compact(min_dead_ratio, max_copy_bytes=max_copy_bytes)
         cause = self.cause or Cause.IO_ERROR
         if cause is Cause.READ_ONLY or self.primary.unwritable_cause is Cause.READ_ONLY:
             return n
         try:
-            n += self.primary.compact(min_dead_ratio, rewrite=cause.device_healthy)
+            n += self.primary.compact(min_dead_ratio, rewrite=cause.device_healthy,
+                                      max_copy_bytes=max_copy_bytes)
         except OSError as exc:
             log.warning("cold_compact_failed", error=str(exc))
         return n

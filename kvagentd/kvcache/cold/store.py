@@ -390,17 +390,19 @@ class ColdStore:
                 for k, la, ln in self.index.usage()]
 
     # -- maintenance ---------------------------------------------------------------------------
-    def compact(self, min_dead_ratio: float = 0.5, *, rewrite: bool = True) -> int:
+    def compact(self, min_dead_ratio: float = 0.5, *, rewrite: bool = True,
+                max_copy_bytes: int | None = None) -> int:
         """Reclaim the space of segments whose dead share is at least `min_dead_ratio` (and
-        of retired ones), rewriting their live records first; without `rewrite` (or while
-        read-only), only segments with nothing live go. Returns bytes reclaimed. Then takes
-        the space reserve again if there is room."""
+        of retired ones), rewriting their live records first, deadest first and at most about
+        `max_copy_bytes` of them; without `rewrite` (or while read-only), only segments with
+        nothing live go. Returns bytes reclaimed. Then takes the space reserve again if there
+        is room."""
         if self._dir_error is not None:
             return 0
         try:
             reclaimed = self.upkeep.compact(
                 min_dead_ratio, rewrite=rewrite and not self._read_only
-                and self.index.unwritable is None)
+                and self.index.unwritable is None, max_copy_bytes=max_copy_bytes)
         except sqlite3.Error as exc:  # a full disk: what was moved stays consistent
             self.index.failed("compact", exc)
             if cause_of(exc) is Cause.NO_SPACE:

@@ -41,20 +41,27 @@ class Upkeep:
         self.on_read_only = on_read_only
 
     # -- compaction ----------------------------------------------------------------------------
-    def compact(self, min_dead_ratio: float, *, rewrite: bool) -> int:
+    def compact(self, min_dead_ratio: float, *, rewrite: bool,
+                max_copy_bytes: int | None = None) -> int:
         """Delete non-active segments whose dead share is at least `min_dead_ratio` (and
         retired ones) after rewriting their live records to the write position; without
-        `rewrite`, only segments with nothing live go. Returns bytes reclaimed. Unreadable
-        records are dropped and counted. Raises sqlite3.Error from the index (what was moved
-        stays consistent)."""
-        reclaimed = 0
+        `rewrite`, only segments with nothing live go. Segments with nothing live go first,
+        then the deadest (the most space for the least copying); with `max_copy_bytes`, no
+        further segment is rewritten once that many live bytes were copied (at least one is).
+        Returns bytes reclaimed. Unreadable records are dropped and counted. Raises
+        sqlite3.Error from the index (what was moved stays consistent)."""
+        reclaimed = copied = 0
         with self.writer.lock, self.files.read_lock:
-            segs = sorted(self.index.segment_use(), key=lambda u: (u.live > 0, u.segment))
+            segs = sorted(self.index.segment_use(),
+                          key=lambda u: (u.live > 0, u.live / max(u.size, 1), u.segment))
             for seg, state, size, live in segs:
                 if state != "retired" and size and (size - live) / size < min_dead_ratio:
                     continue
+                if live and max_copy_bytes is not None and copied >= max_copy_bytes:
+                    break
                 if live and (not rewrite or not self._move_live(seg)):
                     continue
+                copied += live
                 self.files.close_read_fd(seg)
                 try:
                     reclaimed += self.io.size(self.files.path(seg))

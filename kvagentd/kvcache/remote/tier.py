@@ -233,8 +233,8 @@ class RemoteColdTier:
         return self.local.verify(repair=repair, rate_bytes_per_s=rate_bytes_per_s,
                                  progress=progress)
 
-    def compact(self, min_dead_ratio: float = 0.5) -> int:
-        return self.local.compact(min_dead_ratio)
+    def compact(self, min_dead_ratio: float = 0.5, *, max_copy_bytes: int | None = None) -> int:
+        return self.local.compact(min_dead_ratio, max_copy_bytes=max_copy_bytes)
 
     def stats(self) -> dict[str, Any]:
         return {**self.local.stats(),
