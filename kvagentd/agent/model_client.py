@@ -118,7 +118,9 @@ class ModelClient:
             log.warning("agent.llm_failed", session=session, error=repr(exc))
             return Completion(None, error=f"llm: {type(exc).__name__}: {exc}",
                               outgrown=isinstance(exc, HotPoolFull))
-        return Completion(res.text.strip(), res, kept=first or res.finish_reason not in CUT_SHORT)
+        # kept: what the engine did, not what was asked (a turn cut before its first token
+        # leaves nothing to keep, and the next tick has to start the session again)
+        return Completion(res.text.strip(), res, kept=res.saved)
 
     def generate(self, session: str, text: str, system: str | None, *,
                  priority: Priority = Priority.REPORT, max_new_tokens: int | None = None,

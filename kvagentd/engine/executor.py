@@ -327,6 +327,7 @@ class Executor:
                 session.last_used = time.time()
                 session.turns += 1
                 self.sessions.save(session)
+                res.saved = True
         except Exception as exc:  # noqa: BLE001 - fails this job; the batch goes on
             self._fail(s, exc)
             return

@@ -42,6 +42,7 @@ class GenerationResult:
     recomputed_tokens: int = 0  # matched in the store but missing/corrupt, so recomputed
     prefill_tokens: int = 0  # tokens run through the model before the first answer token
     finish_reason: str = ""  # stop | length | deadline | cancelled
+    saved: bool = False  # the turn was saved in its session (a next turn continues it)
     ttft_s: float = 0.0  # from admission (after queueing) to the first token
     total_s: float = 0.0  # from admission to the end
     queue_wait_s: float = 0.0  # from submit to the first admission

@@ -54,11 +54,13 @@ class FakeExecutor:
             prompt = prior + len(req.text.split())
             answer = self.answer
             new = len(answer.split())
-            if self.finish_reason not in ("deadline", "cancelled") or req.keep_partial:
+            saved = new > 0 and (self.finish_reason not in ("deadline", "cancelled")
+                                 or req.keep_partial)
+            if saved:
                 self.sessions[req.session] = prompt + new  # as the engine keeps the turn
         return FakeJob(GenerationResult(req.session, answer, new_tokens=new, prompt_tokens=prompt,
                                         reused_tokens=prior, recomputed_tokens=prompt - prior,
-                                        finish_reason=self.finish_reason))
+                                        finish_reason=self.finish_reason, saved=saved))
 
     def submit_all(self, reqs: list[GenerationRequest]) -> list[FakeJob | QueueFull]:
         self.beats.append(len(reqs))

@@ -290,6 +290,30 @@ def test_commentary_cut_at_the_deadline_is_not_shown(tmp_path, fake_executor, sc
     assert ag.tick_once("pump-1")["assessment"] == "No fault: no action."
 
 
+def test_a_first_turn_cut_before_its_first_token_is_started_again(tmp_path, fake_executor,
+                                                                  scheduler, clock):
+    """A first turn the deadline cuts before the model wrote anything leaves no session in the
+    engine (there is no turn to keep). The agent goes by what the engine saved, not by what it
+    asked for: the next tick starts the session again (system prompt, profile, summary), not a
+    continuation of a session that does not exist."""
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    fake_executor.answer, fake_executor.finish_reason = "", "deadline"
+    ag.tick_once("pump-1")
+    first = fake_executor.requests[-1]
+    assert first.keep_partial and first.session not in fake_executor.sessions
+    assert ag.assets["pump-1"].session_tokens == 0
+    clock.advance(3)
+    fake_executor.answer, fake_executor.finish_reason = "Condition normal, no action.", "stop"
+    ag.tick_once("pump-1")
+    again = fake_executor.requests[-1]
+    assert again.session == first.session and again.keep_partial  # a first turn, again
+    assert again.text.startswith(first.text.split("\n")[0])  # the profile leads it again
+    assert ag.assets["pump-1"].session_tokens == fake_executor.sessions[first.session] > 0
+    clock.advance(3)
+    ag.tick_once("pump-1")
+    assert not fake_executor.requests[-1].keep_partial  # now a continuation
+
+
 def test_a_cut_commentary_is_not_kept_in_the_session(tmp_path, fake_executor, scheduler, clock):
     """A fragment kept as the assistant's turn is copied by the model in the next turns (the
     field saw 'The recent' answered tick after tick): the tick asks the engine not to keep a

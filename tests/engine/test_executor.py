@@ -120,12 +120,12 @@ def test_cancel_deadline_and_failure(engine: Engine) -> None:
     long.cancel()
     r = long.result(60)
     assert r.finish_reason == "cancelled" and r.new_tokens < 2000
-    assert engine.table.get("long").turns == 1  # the partial answer is kept
+    assert engine.table.get("long").turns == 1 and r.saved  # the partial answer is kept
     before = list(engine.table.get("long").token_ids)
     cut = engine.submit(GenerationRequest("long", "y", max_new_tokens=2000, keep_partial=False))
     next(cut.stream())
     cut.cancel()
-    assert cut.result(60).finish_reason == "cancelled"
+    assert cut.result(60).finish_reason == "cancelled" and not cut.result(60).saved
     # ... unless the request says otherwise: then the session stays as it was
     assert engine.table.get("long").turns == 1 and engine.table.get("long").token_ids == before
     fresh = engine.submit(GenerationRequest("fresh", "x", max_new_tokens=2000, system="s",
@@ -133,6 +133,7 @@ def test_cancel_deadline_and_failure(engine: Engine) -> None:
     next(fresh.stream())
     fresh.cancel()
     assert fresh.result(60).finish_reason == "cancelled" and engine.table.get("fresh") is None
+    assert not fresh.result(60).saved
     late = engine.submit(GenerationRequest("late", "x", max_new_tokens=2000, deadline_s=0.3,
                                            system="s"))
     r = late.result(60)
