@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from kvagentd.config import PlacementConfig
 from kvagentd.kvcache.placement import AccessFeed, PlacementService
 from kvagentd.kvcache.placement.base import Capacities, PlacementStore
+from kvagentd.kvcache.placement.policy import PlacementPolicy
 
 from .request_trace import RequestTrace
 from .store import Latencies, SimCounters, SimStore
@@ -99,8 +100,10 @@ def _placement_store(store: SimStore) -> PlacementStore:
 def simulate(trace: RequestTrace, policy: str, caps: Capacities, *,
              latencies: Latencies | None = None, block_bytes: int = 368_640,
              config: PlacementConfig | None = None, check: bool = False,
-             seed: int = 0) -> SimResult:
-    """Replay `trace` against `policy` with hot / warm capacities `caps` (blocks)."""
+             seed: int = 0, instance: PlacementPolicy | None = None) -> SimResult:
+    """Replay `trace` against `policy` with hot / warm capacities `caps` (blocks);
+    `instance`: a policy object of that name to use instead of the configured one (a
+    benchmark's variant of it)."""
     cfg = replace(config or PlacementConfig(trace_capacity=0), policy=policy)
     n = len(trace)
     t0 = float(trace.times[0]) if n else 0.0
@@ -111,6 +114,9 @@ def simulate(trace: RequestTrace, policy: str, caps: Capacities, *,
                      access_listener=feed.record, session_names=trace.session_names, seed=seed)
     store.preload_cold(trace.preload, t0)
     svc = PlacementService(_placement_store(store), feed, cfg, clock=clock, seed=seed)
+    if instance is not None:
+        assert instance.name == policy, "a variant of the configured policy"
+        svc.policy = instance
     interval = cfg.interval_s
     next_round = t0 + interval
     moves: dict[str, int] = {}

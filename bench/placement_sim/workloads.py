@@ -23,7 +23,7 @@ A request touches a session's whole prefix (its blocks in order), as the engine'
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,10 +65,32 @@ APPS = (
 )
 
 
+@dataclass(slots=True)
+class MultiturnTruth:
+    """What generated a multi-turn trace: per block, its application (index into `apps`; -1
+    for system prompts, which sessions share) and conversation (-1 likewise); per
+    conversation, its user's pace and the times of its turns."""
+
+    apps: tuple[App, ...]
+    app: np.ndarray  # int64, by block id
+    conversation: np.ndarray  # int64, by block id
+    pace: list[float] = field(default_factory=list)
+    turns: list[list[float]] = field(default_factory=list)
+
+
 def multiturn(seed: int = 0, *, duration_s: float = 3600.0, requests: int = 12_000,
               apps: tuple[App, ...] = APPS, same_pace: bool = True,
               max_blocks: int = 160) -> RequestTrace:
     """Production-style multi-turn trace (see module docstring), about `requests` requests."""
+    return multiturn_with_truth(seed, duration_s=duration_s, requests=requests, apps=apps,
+                                same_pace=same_pace, max_blocks=max_blocks)[0]
+
+
+def multiturn_with_truth(seed: int = 0, *, duration_s: float = 3600.0,
+                         requests: int = 12_000, apps: tuple[App, ...] = APPS,
+                         same_pace: bool = True, max_blocks: int = 160
+                         ) -> tuple[RequestTrace, MultiturnTruth]:
+    """`multiturn`'s trace and what generated it."""
     rng = np.random.default_rng(seed)
     b = TraceBuilder()
     prompts = {a.name: [b.new_blocks(int(rng.integers(1, 5))) for _ in range(a.prompts)]
@@ -78,28 +100,45 @@ def multiturn(seed: int = 0, *, duration_s: float = 3600.0, requests: int = 12_0
     turns = np.array([1.0 + a.continue_first / (1.0 - a.continue_later) for a in apps])
     rate = requests / duration_s / float(shares @ turns)  # conversations per second
     t, conv = 0.0, 0
+    owner: dict[int, tuple[int, int]] = {}  # block id -> (application, conversation)
+    paces: list[float] = []
+    turns: list[list[float]] = []
     while True:
         t += float(rng.exponential(1.0 / rate))
         if t >= duration_s:
             break
-        a = apps[int(rng.choice(len(apps), p=shares))]
+        ai = int(rng.choice(len(apps), p=shares))
+        a = apps[ai]
         system = prompts[a.name][int(rng.choice(a.prompts, p=_zipf(a.prompts, 1.0)))]
         own = b.new_blocks(max(1, int(rng.lognormal(np.log(a.first_blocks), 0.8))))
         pace = float(rng.lognormal(np.log(a.pace_s), a.pace_sigma))
+        owner.update(dict.fromkeys(own, (ai, conv)))
+        paces.append(pace)
+        turns.append([])
         session = f"{a.name}-{conv}"
         tt, k = t, 1
         while True:
             b.add(tt, session, (system + own)[:max_blocks])
+            turns[conv].append(tt)
             if rng.random() >= (a.continue_first if k == 1 else a.continue_later):
                 break
             gap = pace if same_pace else float(rng.lognormal(np.log(a.pace_s), a.pace_sigma))
             tt += gap * float(rng.lognormal(0.0, a.turn_sigma))
             if tt >= duration_s:
                 break
-            own = own + b.new_blocks(max(1, int(rng.lognormal(np.log(a.turn_blocks), 0.8))))
+            new = b.new_blocks(max(1, int(rng.lognormal(np.log(a.turn_blocks), 0.8))))
+            owner.update(dict.fromkeys(new, (ai, conv)))
+            own = own + new
             k += 1
         conv += 1
-    return b.finish("multiturn" if same_pace else "multiturn-iid")
+    app = np.full(b.n_blocks, -1, np.int64)
+    conversation = np.full(b.n_blocks, -1, np.int64)
+    if owner:
+        ids = np.fromiter(owner, np.int64, len(owner))
+        pairs = np.array(list(owner.values()), np.int64)
+        app[ids], conversation[ids] = pairs[:, 0], pairs[:, 1]
+    return (b.finish("multiturn" if same_pace else "multiturn-iid"),
+            MultiturnTruth(apps, app, conversation, paces, turns))
 
 
 # ------------------------------------------------------------------------------------------

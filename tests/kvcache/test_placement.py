@@ -20,6 +20,7 @@ from kvagentd.kvcache.placement.feed import Access
 from kvagentd.kvcache.placement.service import SWEEP_ROWS
 from kvagentd.kvcache.placement.policy import (Candidates, LRUPolicy, PolicyParams, ReusePolicy,
                                                RoundView, make_policy)
+from kvagentd.kvcache.placement.reuse import reuse_model
 from kvagentd.kvcache.placement.stats import AccessStats
 
 from .conftest import compute_blocks
@@ -50,7 +51,9 @@ def test_lru_demotes_in_the_stores_order_one_tier_down():
     assert plan.batches[0].keys == tuple(keys[10:18])
 
 
-def test_reuse_sends_one_shot_blocks_down_first_and_straight_to_cold():
+def _docs_and_chats():
+    """40 one-shot documents of one application, then 40 conversations of another that came
+    back a minute later; the last ten of each in hot, which has 1 free slot of 100."""
     st = AccessStats()
     t = 0.0
     docs, convs = [], []
@@ -64,17 +67,39 @@ def test_reuse_sends_one_shot_blocks_down_first_and_straight_to_cold():
         st.record([Access([key(3000), c], f"chat-{i}", t + 60.0)])
         convs.append(c)
         t += 1.0
-    # now: the last few of each are in hot; which go when hot needs 6 slots?
     cand = st.rows_of(docs[-10:] + convs[-10:])
     hot = Candidates(cand, np.full(cand.size, HOT, np.int8))
     view = RoundView(t + 5.0, Capacities(100, 100), {H: 1, W: 0},
                      {H: hot, W: Candidates(np.zeros(0, np.int64), np.zeros(0, np.int8))})
+    return st, view, docs[-10:], convs[-10:]
+
+
+def test_reuse_sends_one_shot_blocks_down_first_and_straight_to_cold():
+    st, view, docs, convs = _docs_and_chats()
+    # which go when hot needs 6 slots?
     p = PolicyParams(headroom_fraction=0.03, batch_fraction=0.03)
     plan = ReusePolicy(p).plan(view, st, None)
     moved = {m.key: m.dst for m in plan}
-    assert set(moved) <= set(docs[-10:]) and len(moved) == 5  # need: 3 - 1 + 3
+    assert set(moved) <= set(docs) and len(moved) == 5  # need: 3 - 1 + 3
     assert set(moved.values()) == {C}  # warm has no room and nothing worse to give it up for
     assert all(m.reason is Reason.REUSE and m.action is Action.DEMOTE for m in plan)
+
+
+def test_reuse_ranks_by_the_model_it_is_given():
+    """The score follows the reuse model the policy holds (the learned one by default): a
+    model that says the conversations never return and the documents surely do sends the
+    conversations down instead."""
+    st, view, docs, convs = _docs_and_chats()
+    chat = set(st.rows_of(convs).tolist())
+
+    def inverted(stats, rows, tables):
+        q, mu, s = reuse_model(stats, rows, tables)
+        is_chat = np.isin(rows, list(chat))
+        return np.where(is_chat, 0.0, 0.99), mu, s
+
+    p = PolicyParams(headroom_fraction=0.03, batch_fraction=0.03)
+    moved = {m.key for m in ReusePolicy(p, inverted).plan(view, st, None)}
+    assert moved <= set(convs) and len(moved) == 5
 
 
 def test_unknown_policy_names_are_refused():

@@ -12,8 +12,8 @@ from bench.placement_sim.optimum import belady, next_use
 from bench.placement_sim.replay import simulate
 from bench.placement_sim.request_trace import (TraceBuilder, from_events, read_trace,
                                                write_jsonl)
-from bench.placement_sim.workloads import (edge_agent, multiturn, pure_scan, seed_workload,
-                                           shifting_popularity)
+from bench.placement_sim.workloads import (edge_agent, multiturn, multiturn_with_truth,
+                                           pure_scan, seed_workload, shifting_popularity)
 from kvagentd.config import PlacementConfig
 from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.placement.base import Capacities
@@ -246,6 +246,28 @@ def test_multiturn_has_the_shape_of_a_production_trace():
     assert 0.58 <= s["first_touch_share"] <= 0.70  # 63 % first touches
     iid = multiturn(0, same_pace=False).summary()
     assert abs(iid["first_touch_share"] - s["first_touch_share"]) < 0.05
+
+
+def test_multiturn_says_what_generated_it():
+    """The generator's record (for the ceiling benchmark): the same trace as `multiturn`,
+    each conversation's blocks read at its turns' times and only there, shared prompts
+    marked as no conversation's."""
+    tr, truth = multiturn_with_truth(0, duration_s=600.0, requests=2000)
+    plain = multiturn(0, duration_s=600.0, requests=2000)
+    assert tr.blocks.tolist() == plain.blocks.tolist() and tr.times.tolist() == plain.times.tolist()
+    assert len(truth.pace) == len(truth.turns) and all(p > 0 for p in truth.pace)
+    seen: dict[int, list[float]] = {}
+    for i in range(len(tr)):
+        conv = set(truth.conversation[tr.request(i)].tolist()) - {-1}
+        assert len(conv) == 1  # one conversation's blocks (after its prompt's)
+        seen.setdefault(conv.pop(), []).append(float(tr.times[i]))
+    assert seen == {c: t for c, t in enumerate(truth.turns) if t}
+    prompts = truth.conversation == -1
+    assert (truth.app[prompts] == -1).all() and (truth.app[~prompts] >= 0).all()
+    names = [a.name for a in truth.apps]
+    for i in range(0, len(tr), 97):
+        own = tr.request(i)[truth.conversation[tr.request(i)] >= 0]
+        assert tr.session_names[tr.sessions[i]].split("-")[0] == names[truth.app[own[0]]]
 
 
 def test_edge_agent_ticks_roll_over_and_replays_resume_old_sessions():

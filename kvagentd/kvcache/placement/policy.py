@@ -40,7 +40,7 @@ import numpy as np
 from ..base import BlockKey, Tier
 from .base import TIER_OF, Capacities, MoveBatch, Plan, Reason, Want
 from .heat import HeatMap
-from .reuse import reuse_density, reuse_tables
+from .reuse import ReuseModel, reuse_density, reuse_model, reuse_tables
 from .stats import AccessStats
 
 
@@ -277,6 +277,10 @@ class ReusePolicy(PlacementPolicy):
 
     name = "reuse"
 
+    def __init__(self, params: PolicyParams, model: ReuseModel = reuse_model) -> None:
+        super().__init__(params)
+        self.model = model
+
     def plan(self, view: RoundView, stats: AccessStats, heat: HeatMap | None) -> Plan:
         budget = _Budget(self.params.max_moves(view.caps))
         # one density call over every candidate: its cost is mostly per call, not per row
@@ -285,7 +289,7 @@ class ReusePolicy(PlacementPolicy):
         if not rows:
             return Plan((), self.name)
         dens = reuse_density(stats, np.concatenate(rows) if len(rows) > 1 else rows[0],
-                             view.now, reuse_tables(stats), stats.hold_s)
+                             view.now, reuse_tables(stats), stats.hold_s, model=self.model)
         score = dict(zip(tiers, np.split(dens, np.cumsum([r.size for r in rows])[:-1])))
         moves = _demotions(view, stats, self.params, score, Reason.REUSE, budget,
                            direct_to_cold=True)

@@ -11,6 +11,7 @@ LHD (Beckmann et al., "LHD: Improving Cache Hit Rate by Maximizing Hit Density",
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -35,6 +36,11 @@ def reuse_tables(stats: AccessStats) -> ReuseTables:
     var = np.where(seen, stats.cat_lg2 / safe - mu * mu, stats.prior_var)
     return ReuseTables(odds, mu.astype(np.float32),
                        np.sqrt(np.maximum(var, 0.04)).astype(np.float32))
+
+
+ReuseModel = Callable[[AccessStats, np.ndarray, ReuseTables],
+                      tuple[np.ndarray, np.ndarray, np.ndarray]]
+"""Per row: reuse odds, and the mean and deviation of the log time to its next use."""
 
 
 def reuse_model(stats: AccessStats, rows: np.ndarray, tables: ReuseTables
@@ -73,8 +79,8 @@ PRIOR_ODDS = 0.5  # reuse odds of a block placement has no record of a use of
 
 
 def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
-                  tables: ReuseTables | None = None, hold_s: float | None = None
-                  ) -> np.ndarray:
+                  tables: ReuseTables | None = None, hold_s: float | None = None, *,
+                  model: ReuseModel = reuse_model) -> np.ndarray:
     """Expected uses per second of slot held: P(used again) / E[slot time until resolved].
 
     With odds q (category and use count) and a log-normal time to the next use (mean mu,
@@ -86,8 +92,10 @@ def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
     is p / (p t + (1 - p) hold_s): a block unlikely to come back is charged the slot time it
     would waste, not its (long) expected return. Without `hold_s` (nothing moved out yet) the
     mean idle time of `rows` stands in for it. A block long overdue scores near zero; a block
-    with no recorded use (loaded, never used since) scores with the prior odds."""
-    q, mu, s = reuse_model(stats, rows, tables if tables is not None else reuse_tables(stats))
+    with no recorded use (loaded, never used since) scores with the prior odds. `model` gives
+    the odds and the log-normal per row (the learned `reuse_model`; a benchmark measures the
+    score's ceiling with a trace generator's true parameters in its place)."""
+    q, mu, s = model(stats, rows, tables if tables is not None else reuse_tables(stats))
     q = np.where(stats.count[rows] > 0, q, PRIOR_ODDS)
     a = np.maximum(now - stats.last_t[rows], 1e-3)
     la = np.log(a)
