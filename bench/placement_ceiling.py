@@ -21,6 +21,7 @@ Gap closed = (policy - LRU) / (OPT - LRU) in hot hits over re-accesses, OPT Bela
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -107,6 +108,10 @@ def clairvoyant_model(truth: _Truth) -> ReuseModel:
 
 
 def main(argv: Sequence[str] | None = ()) -> int:
+    """`argv=None`: the command line; `()` (as `python -m bench` calls it): the standard run,
+    or the smoke run when `KVAGENTD_BENCH_QUICK=1`."""
+    if argv == () and os.environ.get("KVAGENTD_BENCH_QUICK") == "1":
+        argv = ["--quick"]
     ap = argparse.ArgumentParser(prog="python -m bench.placement_ceiling", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a shortened trace (smoke run)")
