@@ -156,6 +156,7 @@ def _store_summary(v: dict[str, Any]) -> list[str]:
     fo = c.get("failover") or {}
     out.append(f"cold     {c.get('blocks', 0)} blocks  {render.size(c.get('bytes_used'))} of "
                f"{render.size(c.get('capacity_bytes'))}  codec {c.get('codec', '?')}"
+               f"  evicted {c.get('evicted', 0)}"
                f"{'  READ-ONLY' if c.get('read_only') else ''}"
                + (f"  serving {fo.get('serving')}" if fo else ""))
     out.append(f"loads    hot {v.get('loaded_hot', 0)}  warm {v.get('loaded_warm', 0)}  cold "

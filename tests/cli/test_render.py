@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvctl import render
 from kvctl.cmd_agent import jobs_list
-from kvctl.cmd_core import render_config
+from kvctl.cmd_core import render_config, render_status
 from kvctl.cmd_maintenance import render_defrag, render_failover
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,3 +106,14 @@ def test_shell_completion_is_on() -> None:
                             "--show-completion; true"],
                            capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert shown.returncode == 0 and "_KVCTL_COMPLETE" in shown.stdout
+
+
+def test_status_says_how_many_cold_records_capacity_evicted() -> None:
+    """Capacity eviction is routine once the cold tier is full: it is a count in the status
+    (the log says it at debug level only), not a line every few writes."""
+    text = render_status({"version": "x", "phase": "running", "store": {
+        "tiers": {"hot": {"blocks": 1, "capacity": 4}, "warm": {"blocks": 0, "capacity": 4},
+                  "cold": {"blocks": 530, "bytes_used": 512 << 20, "capacity_bytes": 512 << 20,
+                           "codec": "raw", "evicted": 1234}}}})
+    (line,) = [x for x in text.splitlines() if x.startswith("cold ")]
+    assert "530 blocks" in line and "evicted 1234" in line and "512.0 MiB of 512.0 MiB" in line

@@ -40,10 +40,13 @@ def test_capacity_eviction_skips_protected_records(make_cold, geometry, namespac
     heard = _Protects({keys[0], keys[2]})
     cs = make_cold(capacity_bytes=4 * REC, listener=heard)
     z = torch.zeros(geometry.block_shape)
-    for k in keys[:6]:
-        assert cs.put(k, z)
-    # the oldest records went, except the protected ones
-    assert heard.evicted == [keys[1], keys[3]]
+    with structlog.testing.capture_logs() as logs:
+        for k in keys[:6]:
+            assert cs.put(k, z)
+    # the oldest records went, except the protected ones (counted; logged at debug only:
+    # routine for a full tier)
+    assert heard.evicted == [keys[1], keys[3]] and cs.stats()["evicted"] == 2
+    assert {e["log_level"] for e in logs if e["event"] == "cold_evicted"} == {"debug"}
     assert set(cs.keys()) == {keys[0], keys[2], keys[4], keys[5]}
     # full of protected records: a refusal, not a device fault
     heard.keep = set(cs.keys())

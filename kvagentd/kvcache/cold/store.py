@@ -281,7 +281,9 @@ class ColdStore:
             self.counters["evicted"] += len(victims)
         if self.listener is not None and victims:
             self.listener.cold_evicted(victims)
-        log.info("cold_evicted", blocks=len(victims), need=need)
+        # routine once the tier is full (an LRU at capacity): counted (`evicted`, in `kvctl
+        # status` and kvagentd_cold_evicted_records), not logged at info every few writes
+        log.debug("cold_evicted", blocks=len(victims), need=need)
         return True
 
     def _take_victims(self, rows: list[tuple[BlockKey, int]], victims: list[BlockKey],
