@@ -17,8 +17,8 @@ Each check, and what makes it degraded (D) or failing (F):
   measure and diagnose; their commentary is missing). Shown only once a turn has failed.
 - cold-tier: D on the shadow or restoring. read-only: D the SSD takes no new records.
   shadow-fill: D at `shadow_fill_degraded`, F at `shadow_fill_failing`.
-- checksum-failures, lost-blocks, cold-index: D when any since start or the last
-  `kvctl health ack`.
+- checksum-failures, lost-blocks, cold-index, cold-full (cold writes refused because every
+  record left was pinned or in use): D when any since start or the last `kvctl health ack`.
 - ssd-wear: D at `wear_degraded_percent`, worn, or a stale SMART status file; F SMART says the
   device failed; unknown (no status file): `wear_unknown`.
 - memory: D below `memory_available_degraded` of RAM. disk:PATH: D below
@@ -243,6 +243,11 @@ def _cold(f: Facts, h: HealthConfig, acks: Acknowledgements) -> Iterator[Check]:
         n = acks.since("checksum-failures", counters["checksum-failures"])
         yield _counted("checksum-failures", n, acks,
                        "cold records failed their checksum; their blocks were recomputed")
+        n = acks.since("cold-full", counters["cold-full"])
+        yield _counted("cold-full", n, acks,
+                       "blocks the cold tier refused, full of records that must stay (pinned or "
+                       "in use); they stay in warm, or are dropped and recomputed when a request "
+                       "needs the room: raise kv.cold_capacity_bytes or unpin blocks")
         discarded = [f"{dev}: {w}" for dev, w in c.index_discarded.items() if w]
         if acks.since("cold-index", counters["cold-index"]):
             yield Check("cold-index", DEGRADED, "set aside at start, its records were "

@@ -107,6 +107,7 @@ class Facts:
         out: dict[str, int] = {}
         if self.cold is not None:
             out["checksum-failures"] = sum(c.get("corrupt", 0) for c in self.cold.counters.values())
+            out["cold-full"] = sum(c.get("refused_full", 0) for c in self.cold.counters.values())
             out["cold-index"] = sum(1 for why in self.cold.index_discarded.values() if why)
         if self.lost_blocks is not None:
             out["lost-blocks"] = self.lost_blocks

@@ -90,3 +90,32 @@ def test_checksum_failure_lost_block_and_discarded_index(tmp_path: Path) -> None
     assert idx.level.value == "degraded" and "set aside" in idx.reason  # type: ignore[attr-defined]
     assert "ssd:" in idx.reason  # type: ignore[attr-defined]
     t.store.close()
+
+
+def test_a_cold_tier_full_of_records_that_must_stay_is_degraded_until_acknowledged(
+        tmp_path: Path) -> None:
+    """A cold tier whose records are all pinned refuses new ones (not a device fault): the
+    health check says so, with what to change, until an operator acknowledges it."""
+    cfg = _config(tmp_path)
+    cfg = dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, cold_capacity_bytes=1 << 20))
+    t = _tiers(cfg)
+    assert t.cold is not None
+    acks = Acknowledgements()
+    assert _checks(cfg, t, acks)["cold-full"].level.value == "ok"  # type: ignore[attr-defined]
+    for i in range(64):  # fill the cold tier, pinning what goes there
+        keys = compute_blocks(t.store, f"s{i}", [1000 * i + j for j in range(32)], 0, 8)
+        assert keys is not None
+        t.store.release(f"s{i}")
+        t.store.demote(keys, Tier.COLD)
+        t.store.pin(keys)
+        if t.cold.stats()["refused_full"]:
+            break
+    c = _checks(cfg, t, acks)["cold-full"]
+    assert c.level.value == "degraded"  # type: ignore[attr-defined]
+    assert "since start" in c.reason and "cold_capacity_bytes" in c.reason  # type: ignore[attr-defined]
+    counters = gather(cfg, Services(store=t.store, cold=t.cold), started={"store"},
+                      daemon=DaemonFacts("running", 1.0, 0.0, 5.0, True, 0), jobs=JobWatch(),
+                      scheduler=None, now=0.0).counters()
+    acks.ack(counters, 10.0, ["cold-full"])
+    assert _checks(cfg, t, acks)["cold-full"].level.value == "ok"  # type: ignore[attr-defined]
+    t.store.close()
