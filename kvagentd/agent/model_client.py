@@ -67,7 +67,7 @@ class Completion:
     result: GenerationResult | None = None
     error: str | None = None
     outgrown: bool = False  # the session no longer fits the hot pool (HotPoolFull)
-    kept: bool = True  # the turn is in the session (False: cut short, and not kept)
+    kept: bool = True  # the engine saved the turn in its session (a next turn continues it)
 
     @property
     def cut(self) -> bool:
