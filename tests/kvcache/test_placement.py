@@ -211,6 +211,27 @@ def test_round_cost_follows_accesses_not_stored_blocks():
     assert max(swept[20_000]) <= SWEEP_ROWS and len(swept[20_000]) <= 30  # forgetting: bounded
 
 
+def test_a_round_with_room_to_spare_looks_at_no_block():
+    """Where hot and warm have their head-room there is nothing to decide: a round asks the
+    store for its room and looks at no block (`heat` too: it promotes its risers in the rounds
+    that make room). The sweep, which forgets dropped blocks, is bounded apart and left out."""
+    for policy in ("lru", "heat", "reuse"):
+        env = Env(Capacities(64, 32), 40, policy)
+        asked: list[str] = []
+        for name in ("block_states", "least_recent_idle", "sample_idle"):
+            f = getattr(env.store, name)
+            setattr(env.store, name,
+                    lambda *a, f=f, name=name, asked=asked: (asked.append(name), f(*a))[1])
+        env.svc._sweep = lambda: None
+        t = 1.0
+        for r in range(10):
+            env.use(t, [r % 8, (r + 1) % 8, 10 + r])
+            env.clock.t = t + 0.5
+            assert len(env.svc.run_round()) == 0
+            t += 1.0
+        assert not asked, (policy, asked)
+
+
 def test_the_sweep_forgets_blocks_the_store_dropped():
     env = Env(Capacities(8, 8), 40, "lru")
     env.use(1.0, list(range(6)))

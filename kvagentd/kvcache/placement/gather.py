@@ -25,9 +25,10 @@ class Gatherer:
         self.prefetcher, self.rng, self.caps = prefetcher, rng, caps
 
     def roomy(self) -> bool:
-        """True when hot and warm have their head-room and the policy never promotes: the
-        common round, decided with two questions to the store."""
-        if self.policy.uses_heat:
+        """True when hot and warm have their head-room and no prefetch wishes wait to be
+        looked at: the common round, decided with two questions to the store. (`heat`
+        promotes its risers in the rounds that make room, into the room they make.)"""
+        if self.policy.uses_prefetch:
             return False
         caps = self.caps
         p = self.policy.params

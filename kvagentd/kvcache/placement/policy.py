@@ -13,8 +13,8 @@ Policies (peers, selectable by `placement.policy`):
 - `lru`: the least recently used idle blocks go down one tier (hot -> warm -> cold), as the
   store's own room-making would do; never promotes ahead of a request.
 - `heat`: ranks by heat (`heat.py`); a hot victim ranked below what warm keeps goes straight to
-  cold; promotes sampled warm blocks whose heat passes `hot_factor` x the mean heat looked at
-  into free hot room.
+  cold; in a round that makes room, promotes sampled warm blocks whose heat passes
+  `hot_factor` x the mean heat looked at into the room beyond the head-room.
 - `heat+prefetch`: `heat` plus the wants of a `Prefetcher` (predictive preload, co-access,
   neighbours), moved with the background I/O queue into free room.
 - `reuse`: ranks by predicted reuse (`reuse_density`, LHD's hit density): the probability
