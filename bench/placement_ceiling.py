@@ -32,8 +32,10 @@ from bench.placement import BYTES_PER_TOKEN, _caps
 from bench.placement_sim.optimum import belady
 from bench.placement_sim.replay import simulate
 from bench.placement_sim.workloads import MultiturnTruth, multiturn_with_truth
-from kvagentd.kvcache.placement.policy import PolicyParams, ReusePolicy
+from kvagentd.config import PlacementConfig
+from kvagentd.kvcache.placement.policy import ReusePolicy
 from kvagentd.kvcache.placement.reuse import ReuseModel, ReuseTables, reuse_model
+from kvagentd.kvcache.placement.service import params_of
 from kvagentd.kvcache.placement.stats import CLASSES, AccessStats
 
 GOAL_GAP = 0.5  # the goal for the default at hot 5 %
@@ -132,7 +134,7 @@ def main(argv: Sequence[str] | None = ()) -> int:
         figures[label] = {"lru": lru, "optimum": opt}
         rows.append([label, "lru", f"{100 * lru:.1f}%", f"{100 * opt:.1f}%", "-"])
         for name, model in models.items():
-            policy = ReusePolicy(PolicyParams(), model)
+            policy = ReusePolicy(params_of(PlacementConfig()), model)  # as the daemon's
             r = simulate(trace, "reuse", caps, block_bytes=bb, instance=policy)
             hit = r.hot_hit_rate_reaccess
             gap = (hit - lru) / (opt - lru) if opt - lru > 1e-9 else 0.0
