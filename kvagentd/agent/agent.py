@@ -333,7 +333,10 @@ class Agent:
         assert self.model is not None
         done = self.model.submit_tick(session, text, system, started=started,
                                       first=st.session_tokens == 0)
+        given = f"{st.session_text}\n{text}" if st.session_text else text
         st.account(done, self.clock())
+        if done.kept:
+            st.session_text = given
         if done.outgrown:
             # the session holds more than the hot pool can: it would fail every tick from now
             # on, so the next tick starts a new one, and later sessions of the asset roll over
@@ -356,7 +359,7 @@ class Agent:
             return None, False, (f"commentary cut at the tick's deadline after "
                                  f"{done.result.new_tokens} tokens (not shown)")
         st.commentaries += 1
-        verdict = grounding.check(done.text, d, text, ended=_ended(done))
+        verdict = grounding.check(done.text, d, given, ended=_ended(done))
         if not verdict.ok:
             st.withheld += 1
             # NOTE: the contradicting text is in this session's KV; a new session keeps it out
@@ -378,6 +381,7 @@ class Agent:
                                   st.session_tokens + estimate > budget):
             st.session_index += 1
             st.session_tokens = st.turn_tokens = 0
+            st.session_text = ""
             st.force_rollover = False
             st.rollovers += 1
             log.debug("agent.rollover", asset=st.asset.name, session=st.session)

@@ -11,8 +11,9 @@ when it
   in zone A or B, or calls a low-severity finding critical, an emergency or a reason to stop;
 - names a fault (or its defect line) other than the diagnosed one and the patterns also seen
   in the window (`secondary`);
-- states a number that is not in the evidence the model was given (`evidence`: the prompt
-  text); a number matches when it equals one there at the precision it is written with, or
+- states a number that is not in the evidence the model was given (`evidence`: for a tick,
+  the user turns of its session, its first turn's summary included); a number matches when it
+  equals one there at the precision it is written with, or
   lies within 2 % of it.
 A phrase preceded by a negation ("no", "not", "without" ... within three words) is not a claim.
 The checks are deliberately literal: they cannot tell a paraphrase that is right from one

@@ -25,6 +25,9 @@ class AssetState:
     session_index: int
     session_tokens: int = 0  # tokens of the current session (prompt + answer of the last turn)
     turn_tokens: int = 0  # growth of the session by the last tick
+    # the user turns the engine kept in the current session: what the model was given, so the
+    # evidence a number in its commentary must come from
+    session_text: str = ""
     force_rollover: bool = False
     fits_tokens: int | None = None  # the largest session the hot pool held (after a HotPoolFull)
     closed: bool = False

@@ -435,3 +435,31 @@ def test_ask_about_an_asset_carries_its_diagnosis(tmp_path, fake_executor, sched
     bad = ag.ask("pump-1", "And now?")
     assert bad["commentary"] is None and bad["withheld"] and "healthy" in bad["reason"]
     assert "Asset pump-1" not in fake_executor.requests[-1].text  # profile only on the first
+
+
+def test_a_number_from_earlier_in_the_session_is_in_the_evidence(tmp_path, fake_executor,
+                                                                  scheduler, clock):
+    """The model is given its session's turns, not only this tick's line: a number from the
+    first turn's profile or summary is not an invented one (withholding it rolled the session
+    over, and a small model that echoes its context restarted the long first turn every other
+    tick). A number in none of the turns is still withheld, and a new session starts with
+    nothing but its own first turn as evidence."""
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    rpm = ag.assets["pump-1"].asset.rpm
+    first = ag.tick_once("pump-1")
+    assert f"{rpm:g} rpm" in fake_executor.requests[-1].text  # the profile, in the first turn
+    clock.advance(3)
+    fake_executor.answer = f"Shaft at {rpm:g} rpm, condition normal."
+    row = ag.tick_once("pump-1")
+    assert f"{rpm:g}" not in fake_executor.requests[-1].text  # not in this tick's line
+    assert row["assessment"] == fake_executor.answer and not row["withheld"]
+    assert row["session"] == first["session"]
+    clock.advance(3)
+    fake_executor.answer = "Shaft at 4242 rpm, condition normal."
+    row = ag.tick_once("pump-1")
+    assert row["withheld"] and "4242" in row["note"]
+    clock.advance(3)  # the withheld text leaves the context: a new session, its own evidence
+    fake_executor.answer = "Condition normal, no action needed."
+    row = ag.tick_once("pump-1")
+    assert row["session"] != first["session"]
+    assert ag.assets["pump-1"].session_text == fake_executor.requests[-1].text
