@@ -67,7 +67,7 @@ class Completion:
     result: GenerationResult | None = None
     error: str | None = None
     outgrown: bool = False  # the session no longer fits the hot pool (HotPoolFull)
-    kept: bool = True  # the engine saved the turn in its session (a next turn continues it)
+    kept: bool = False  # the engine saved the turn in its session (a next turn continues it)
 
     @property
     def cut(self) -> bool:
@@ -130,4 +130,4 @@ class ModelClient:
             session=session, text=text, system=system,
             max_new_tokens=max_new_tokens or self.config.report_max_tokens, priority=priority))
         res = job.result()
-        return Completion(res.text.strip(), res)
+        return Completion(res.text.strip(), res, kept=res.saved)

@@ -463,3 +463,18 @@ def test_a_number_from_earlier_in_the_session_is_in_the_evidence(tmp_path, fake_
     row = ag.tick_once("pump-1")
     assert row["session"] != first["session"]
     assert ag.assets["pump-1"].session_text == fake_executor.requests[-1].text
+
+
+def test_a_failed_turn_adds_nothing_to_what_the_model_was_given(tmp_path, fake_executor,
+                                                                scheduler, clock):
+    """A request that failed (timeout, full queue, an engine error) never reached the model's
+    context: its text is not evidence for later commentary."""
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock)
+    ag.tick_once("pump-1")
+    given = ag.assets["pump-1"].session_text
+    assert given == fake_executor.requests[-1].text
+    clock.advance(3)
+    fake_executor.fail_next = RuntimeError("engine down")
+    row = ag.tick_once("pump-1")
+    assert row["assessment"] is None and "engine down" in row["note"]
+    assert ag.assets["pump-1"].session_text == given
