@@ -334,9 +334,7 @@ class Agent:
         done = self.model.submit_tick(session, text, system, started=started,
                                       first=st.session_tokens == 0)
         given = f"{st.session_text}\n{text}" if st.session_text else text
-        st.account(done, self.clock())
-        if done.kept:
-            st.session_text = given
+        st.account(done, self.clock(), given)
         if done.outgrown:
             # the session holds more than the hot pool can: it would fail every tick from now
             # on, so the next tick starts a new one, and later sessions of the asset roll over

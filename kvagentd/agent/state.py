@@ -62,8 +62,9 @@ class AssetState:
     def session(self) -> str:
         return f"{self.asset.name}-{self.session_index}"
 
-    def account(self, done: Completion, now: float) -> None:
-        """Record a tick's completion (session size, reuse, errors)."""
+    def account(self, done: Completion, now: float, given: str = "") -> None:
+        """Record a tick's completion (session size and text, reuse, errors); `given`: the
+        session's user turns with this one, what the session holds if the engine kept it."""
         res = done.result
         if res is None:
             self.llm_errors += 1
@@ -81,9 +82,10 @@ class AssetState:
                               f"faster device)")
         else:
             self.llm_failing = 0
-        # a turn not kept in its session (`submit_tick`: a later one cut off by its deadline)
-        # leaves the session's size what it was
+        # a turn the engine did not keep (a later one cut off by its deadline, a first one cut
+        # before its first token) leaves the session what it was
         if done.kept:
+            self.session_text = given
             total = int(res.prompt_tokens) + int(res.new_tokens)
             # a later turn's growth estimates the next one; a first turn's (system prompt,
             # profile and summary) does not, so after one the default estimate stands
