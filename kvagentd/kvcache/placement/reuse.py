@@ -76,6 +76,12 @@ def _norm_cdf(x: np.ndarray) -> np.ndarray:
 
 
 PRIOR_ODDS = 0.5  # reuse odds of a block placement has no record of a use of
+LEFT_OF_STAY = 0.5
+"""The share of the measured stay (`hold_s`) that a block that will not come back is charged:
+a block looked at is, on average, halfway through its stay in hot. Against the whole stay
+(BENCHMARKS.md, placement): 8-11 points more of the LRU -> optimum gap on edge-agent at 640
+blocks, within half a point on multi-turn and seed; the stay left after each block's own idle
+time closed less than either."""
 
 
 def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
@@ -87,14 +93,16 @@ def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
     deviation s, from the block's own gaps or its category's), a block idle for `a` seconds is
     used again with probability p = q S(a) / (1 - q + q S(a)), S the survival of that time, and
     then after t = E[T | T > a] - a more seconds. Kept until then, it holds its slot t seconds
-    if it is used again, and, if it is not, until placement moves it out: `hold_s`, how long
-    blocks stay in hot before placement moves them out (`AccessStats.hold_s`). So the density
-    is p / (p t + (1 - p) hold_s): a block unlikely to come back is charged the slot time it
-    would waste, not its (long) expected return. Without `hold_s` (nothing moved out yet) the
-    mean idle time of `rows` stands in for it. A block long overdue scores near zero; a block
-    with no recorded use (loaded, never used since) scores with the prior odds. `model` gives
-    the odds and the log-normal per row (the learned `reuse_model`; a benchmark measures the
-    score's ceiling with a trace generator's true parameters in its place)."""
+    if it is used again, and, if it is not, until placement moves it out: what is left of its
+    stay, h = `LEFT_OF_STAY` x `hold_s` (how long blocks stay in hot before placement moves
+    them out, `AccessStats.hold_s`). So the density is p / (p t + (1 - p) h): a block unlikely
+    to come back is charged the slot time it would waste, not its (long) expected return.
+    Without `hold_s` (nothing moved out yet) the mean idle time of `rows` stands in for h (the
+    candidates' time in hot so far: as much as, on average, they have left). A block long
+    overdue scores near zero; a block with no recorded use (loaded, never used since) scores
+    with the prior odds. `model` gives the odds and the log-normal per row (the learned
+    `reuse_model`; a benchmark measures the score's ceiling with a trace generator's true
+    parameters in its place)."""
     q, mu, s = model(stats, rows, tables if tables is not None else reuse_tables(stats))
     q = np.where(stats.count[rows] > 0, q, PRIOR_ODDS)
     a = np.maximum(now - stats.last_t[rows], 1e-3)
@@ -104,6 +112,6 @@ def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
     p = qs / (1.0 - q + qs)
     after = np.exp(np.minimum(mu + 0.5 * s * s, 50.0)) * _norm_cdf((mu + s * s - la) / s)
     wait = np.maximum(after / surv - a, 1.0)
-    hold = hold_s if hold_s is not None else (float(a.mean()) if a.size else 1.0)
+    hold = LEFT_OF_STAY * hold_s if hold_s is not None else (float(a.mean()) if a.size else 1.0)
     out: np.ndarray = p / (p * wait + (1.0 - p) * max(hold, 1.0))
     return out
