@@ -266,3 +266,22 @@ def test_prefetched_blocks_are_counted_used_or_wasted_once():
     assert st.prefetch_outcomes() == {"raised": 4, "used": 1, "wasted": 3, "waiting": 0}
     st.record([ev([keys[4]], "s", 3.0)])  # never raised: not a prefetch's
     assert st.prefetch_outcomes()["used"] == 1
+
+
+def test_density_charges_half_the_stay_and_the_time_so_far_stands_in_for_it():
+    """A block that will not come back is charged what is left of its stay: half the measured
+    stay (`LEFT_OF_STAY`). Before placement has moved anything out, the candidates' own time in
+    hot so far stands in for that half, so the two agree when the stay is twice that time."""
+    st = AccessStats()
+    for i in range(20):
+        st.record([ev([k("api-sys"), k("doc", i)], f"api-{i}", float(i))])
+    rows = st.rows_of([k("doc", i) for i in range(10, 20)])
+    now = 40.0
+    mean_idle = float(np.mean(now - st.last_t[rows]))
+    fallback = reuse_density(st, rows, now)
+    same = pytest.approx(fallback, rel=1e-9, abs=0.0)
+    assert reuse_density(st, rows, now, hold_s=2.0 * mean_idle) == same
+    # a stay as long as their time so far: half of it charged, twice the density (they do not
+    # come back: the charge is all of the slot time)
+    short_stay = reuse_density(st, rows, now, hold_s=mean_idle)
+    assert short_stay == pytest.approx(2.0 * fallback, rel=1e-3, abs=0.0)
