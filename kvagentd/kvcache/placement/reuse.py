@@ -80,8 +80,8 @@ LEFT_OF_STAY = 0.5
 """The share of the measured stay (`hold_s`) that a block that will not come back is charged:
 a block looked at is, on average, halfway through its stay in hot. Against the whole stay
 (BENCHMARKS.md, placement): 8-11 points more of the LRU -> optimum gap on edge-agent at 640
-blocks, within half a point on multi-turn and seed; the stay left after each block's own idle
-time closed less than either."""
+blocks, within 0.3 points on multi-turn, 0.02 points fewer hits on seed (still above LRU); the
+stay left after each block's own idle time closed less than either."""
 
 
 def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
