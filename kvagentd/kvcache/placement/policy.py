@@ -290,7 +290,9 @@ class ReusePolicy(PlacementPolicy):
             return Plan((), self.name)
         dens = reuse_density(stats, np.concatenate(rows) if len(rows) > 1 else rows[0],
                              view.now, reuse_tables(stats), stats.hold_s, model=self.model)
-        score = dict(zip(tiers, np.split(dens, np.cumsum([r.size for r in rows])[:-1])))
+        score, at = {}, 0
+        for t, r in zip(tiers, rows):  # each tier's share of `dens`, as views
+            score[t], at = dens[at:at + r.size], at + r.size
         moves = _demotions(view, stats, self.params, score, Reason.REUSE, budget,
                            direct_to_cold=True)
         return Plan(tuple(moves), self.name, _considered(view))
