@@ -23,6 +23,7 @@ import numpy as np
 from kvagentd.kvcache.base import BlockKey, Tier
 from kvagentd.kvcache.placement.base import (CODE_OF, COLD, HOT, NONE, WARM, BlockStates,
                                              Capacities)
+from kvagentd.kvcache.placement.stats import sorted_unique
 
 AccessListener = Callable[[Sequence[BlockKey], str], None]
 _POOLS = (HOT, WARM)
@@ -115,7 +116,7 @@ class SimStore:
         cap = self.caps[t]
         if n <= 0 or cap == 0:
             return []
-        owners = np.unique(self.owners[t][self._nrng.integers(0, cap, size=n)])
+        owners = sorted_unique(self.owners[t][self._nrng.integers(0, cap, size=n)])
         owners = owners[owners >= 0]
         owners = owners[~np.isfinite(self.pending_at[owners])]  # pending: not idle
         return list(map(self.keys.__getitem__, owners.tolist()))
@@ -157,7 +158,7 @@ class SimStore:
 
     def _ids(self, keys: Sequence[BlockKey]) -> np.ndarray:
         ids = np.fromiter(map(self.id_of.get, keys, repeat(-1)), np.int64, len(keys))
-        return np.unique(ids[ids >= 0])
+        return sorted_unique(ids[ids >= 0])
 
     def evict(self, keys: Sequence[BlockKey]) -> int:
         n = 0

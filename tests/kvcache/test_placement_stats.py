@@ -12,7 +12,7 @@ import pytest
 from kvagentd.kvcache.placement.base import HOT, NONE, WARM
 from kvagentd.kvcache.placement.feed import Access, AccessFeed
 from kvagentd.kvcache.placement.reuse import reuse_density, reuse_model, reuse_tables
-from kvagentd.kvcache.placement.stats import AccessStats
+from kvagentd.kvcache.placement.stats import AccessStats, sorted_unique
 from kvagentd.kvcache.placement.summary import load_summary, save_summary
 
 
@@ -219,6 +219,17 @@ def test_feed_buffers_in_order_and_drops_the_oldest_when_full():
     assert done.is_set()
     with pytest.raises(ValueError):
         AccessFeed(capacity=0)
+
+
+def test_sorted_unique_is_numpys_unique():
+    rng = np.random.default_rng(3)
+    for n, hi in ((0, 5), (1, 5), (2, 1), (50, 10), (1000, 200_000)):
+        rows = rng.integers(0, hi, size=n)
+        got = sorted_unique(rows)
+        assert got.dtype == rows.dtype
+        assert np.array_equal(got, np.unique(rows))
+    one = np.array([7])
+    assert sorted_unique(one) is not one  # a new array, as np.unique gives
 
 
 def test_rows_of_unknown_keys_are_minus_one():

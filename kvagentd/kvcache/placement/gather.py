@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..base import Tier
-from .base import CODE_OF, Capacities, PlacementStore, Want
+from .base import CODE_OF, TIER_OF, Capacities, PlacementStore, Want
 from .policy import NO_CANDIDATES, Candidates, PlacementPolicy, RoundView, wants_by_row
 from .prefetch import Prefetcher
-from .stats import AccessStats
+from .stats import AccessStats, sorted_unique
 
 POOL_TIERS = (Tier.HOT, Tier.WARM)
 
@@ -43,12 +43,14 @@ class Gatherer:
         free = {t: self.store.pool(t).num_free for t in POOL_TIERS}
         risers = NO_CANDIDATES
         wants: dict[int, Want] = {}
+        wanted = np.zeros(0, dtype=np.int64)  # their rows
         incoming = {Tier.HOT: 0, Tier.WARM: 0}
         if self.policy.uses_heat:
             rows = self.stats.sample(CODE_OF[Tier.WARM], p.sample, self.rng, draws=4 * p.sample)
             if self.policy.uses_prefetch:
                 wants = wants_by_row(self.stats, self.prefetcher.wants(now))
-            risers = self._risers(np.concatenate([rows, np.fromiter(wants, np.int64, len(wants))]))
+            wanted = np.fromiter(wants, np.int64, len(wants))
+            risers = self._risers(np.concatenate([rows, wanted]))
             for r, code in zip(risers.rows.tolist(), risers.tier.tolist()):
                 w = wants.get(r)
                 if w is not None and CODE_OF[w.tier] < code:
@@ -73,7 +75,7 @@ class Gatherer:
         # not candidates: risers (the store's word over placement's belief) and blocks wished
         # for, while the wish lasts (else the next round raises them again: a loop that moves
         # bytes for nothing)
-        keep_up = np.concatenate([risers.rows, np.fromiter(wants, np.int64, len(wants))])
+        keep_up = np.concatenate([risers.rows, wanted])
         if keep_up.size:
             victims = {t: c.without(keep_up, self.stats) for t, c in victims.items()}
         self.stats.trim_arrived(4 * (caps.hot + caps.warm))
@@ -104,11 +106,11 @@ class Gatherer:
     def _risers(self, rows: np.ndarray) -> Candidates:
         """The idle warm or cold ones of `rows`, as the store says (bounded: a sample and the
         prefetch wishes)."""
-        rows = np.unique(rows)
-        keys = self.stats.keys_of(rows)
-        rows = self.stats.rows_of(keys)
-        st = self.store.block_states(keys)
-        for code in np.unique(st.tier[st.known]).tolist():
+        rows = sorted_unique(rows)
+        rows = rows[self.stats.live[rows]]  # the rows of blocks placement still knows
+        st = self.store.block_states(self.stats.keys_of(rows))
+        present = np.bincount(st.tier[st.known], minlength=len(TIER_OF) + 1)
+        for code in np.flatnonzero(present).tolist():
             self.stats.believe(rows[st.known & (st.tier == code)], code)
         ok = st.idle & ((st.tier == CODE_OF[Tier.WARM]) | (st.tier == CODE_OF[Tier.COLD]))
         return Candidates(rows[ok], st.tier[ok])

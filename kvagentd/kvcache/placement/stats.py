@@ -44,6 +44,19 @@ _GAPS_MAX = 1 << 14
 _COUNT_MAX = 1 << 30
 
 
+def sorted_unique(rows: np.ndarray) -> np.ndarray:
+    """`np.unique` of a 1-d integer array: a sort and a neighbour compare (numpy 2's
+    hash-based `unique` costs about 8x as much on a round's thousand rows)."""
+    if rows.size < 2:
+        return rows.copy()
+    s = np.sort(rows)
+    keep = np.empty(s.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    out: np.ndarray = s[keep]
+    return out
+
+
 @dataclass(slots=True)
 class SessionRecord:
     last_t: float
@@ -522,4 +535,4 @@ class AccessStats:
             return np.zeros(0, dtype=np.int64)
         rows = rng.integers(0, self.high, size=draws)
         rows = rows[self.tier[rows] == code]  # free rows have no tier
-        return np.unique(rows[:n])
+        return sorted_unique(rows[:n])
