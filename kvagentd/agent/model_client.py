@@ -26,7 +26,7 @@ import structlog
 from kvagentd.agent.beat import Beat
 from kvagentd.config import AgentConfig
 from kvagentd.engine.executor import GenerationRequest, HotPoolFull, Priority, QueueFull
-from kvagentd.engine.job import CUT_SHORT
+from kvagentd.engine.job import CUT_SHORT, OnCut
 from kvagentd.engine.sequence import GenerationResult
 
 log = structlog.get_logger(__name__)
@@ -95,16 +95,18 @@ class ModelClient:
         """Submit one tick's turn at TICK priority and wait for it (see module docstring).
         `started` (`time.perf_counter()` when the tick began) puts the deadline at the end of
         the tick's interval, less `TICK_MARGIN` of it for the engine step that crosses it.
-        A turn the deadline cuts is kept in the session only when it is the session's `first`
-        (the system prompt, profile and summary: without it a device that cannot finish that
-        turn in one interval would never get past it); a later one is not, as the model copies
-        fragments it sees in its context."""
+        A turn the deadline cuts leaves no fragment of an answer in the session: the model
+        copies fragments it sees in its context. The session's `first` turn (the system prompt,
+        profile and summary) is kept as a user turn left unanswered, its KV with it: a device
+        that cannot answer it within one interval would otherwise redo it, and fail it, every
+        tick; a later turn cut off leaves the session as it was."""
         cfg = self.config
         elapsed = 0.0 if started is None else time.perf_counter() - started
         deadline = max(0.05, cfg.tick_interval_s * (1.0 - TICK_MARGIN) - elapsed)
         req = GenerationRequest(session=session, text=text, system=system,
                                 max_new_tokens=cfg.assessment_max_tokens, priority=Priority.TICK,
-                                deadline_s=deadline, one_sentence=True, keep_partial=first)
+                                deadline_s=deadline, one_sentence=True,
+                                on_cut=OnCut.PROMPT if first else OnCut.NOTHING)
         try:
             job = cast(GenerationJob, self.beat.submit(req))
         except QueueFull:

@@ -23,7 +23,7 @@ class AssetState:
     source: SensorSource
     diagnoser: Diagnoser
     session_index: int
-    session_tokens: int = 0  # tokens of the current session (prompt + answer of the last turn)
+    session_tokens: int = 0  # tokens of the current session (as the engine saved it)
     turn_tokens: int = 0  # growth of the session by the last tick
     # the user turns the engine kept in the current session: what the model was given, so the
     # evidence a number in its commentary must come from
@@ -86,7 +86,8 @@ class AssetState:
         # before its first token) leaves the session what it was
         if done.kept:
             self.session_text = given
-            total = int(res.prompt_tokens) + int(res.new_tokens)
+            total = int(res.session_tokens) or (int(res.prompt_tokens)
+                                                + int(res.new_tokens))
             # a later turn's growth estimates the next one; a first turn's (system prompt,
             # profile and summary) does not, so after one the default estimate stands
             self.turn_tokens = max(0, total - self.session_tokens) if self.session_tokens else 0

@@ -26,7 +26,8 @@ import structlog
 
 from kvagentd.config import ExecutorConfig
 from kvagentd.engine.blocks import BlockManager
-from kvagentd.engine.job import CUT_SHORT, GenerationRequest, Job, JobState, Priority
+from kvagentd.engine.job import (CUT_SHORT, GenerationRequest, Job, JobState, OnCut,
+                                 Priority)
 from kvagentd.engine.metrics import EngineMetrics
 from kvagentd.engine.runner import ModelRunner
 from kvagentd.engine.scheduler import Need, Scheduler, SchedulerConfig
@@ -319,15 +320,14 @@ class Executor:
             else:  # preempted: its blocks were committed then
                 keys = self.blocks.store.match_prefix(s.tokens).keys
             generated = s.generated
-            cut = why in CUT_SHORT and not s.job.request.keep_partial
-            if generated and s.session is not None and not cut:
-                session = s.session
-                session.token_ids = s.tokens + self.chat.close_turn(generated)
-                session.block_keys = keys
-                session.last_used = time.time()
-                session.turns += 1
-                self.sessions.save(session)
-                res.saved = True
+            on_cut = s.job.request.on_cut if why in CUT_SHORT else OnCut.ANSWER
+            if s.session is not None and on_cut is OnCut.PROMPT:
+                # the prompt's blocks stay the session's; the fragment's are not referenced
+                ids = self.chat.unanswered(s.tokens[:s.n_prompt])
+                shared = min(len(ids), s.n_prompt) // self.blocks.geometry.block_tokens
+                self._save(s, ids, keys[:shared])
+            elif s.session is not None and on_cut is OnCut.ANSWER and generated:
+                self._save(s, s.tokens + self.chat.close_turn(generated), keys)
         except Exception as exc:  # noqa: BLE001 - fails this job; the batch goes on
             self._fail(s, exc)
             return
@@ -342,6 +342,18 @@ class Executor:
         if self.metrics is not None:
             self.metrics.observe(s.priority.name.lower(), res)
         s.job.finish(res, None)
+
+    def _save(self, s: Sequence, ids: list[int], keys: list[bytes]) -> None:
+        """`s`'s session now holds `ids`, whose leading full blocks are `keys`."""
+        session = s.session
+        assert session is not None
+        session.token_ids = ids
+        session.block_keys = keys
+        session.last_used = time.time()
+        session.turns += 1
+        self.sessions.save(session)
+        s.result.saved = True
+        s.result.session_tokens = len(ids)
 
     def _fail(self, s: Sequence, exc: BaseException) -> None:
         if not isinstance(exc, JobNotRun):

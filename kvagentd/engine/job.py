@@ -25,6 +25,14 @@ class Priority(enum.IntEnum):
     REPORT = 2
 
 
+class OnCut(enum.Enum):
+    """What a turn that its deadline or a cancel cut off leaves in its session."""
+
+    ANSWER = "answer"  # the turn and the part of the answer generated (a reader saw it)
+    PROMPT = "prompt"  # the turn's prompt, left unanswered: not the fragment of an answer
+    NOTHING = "nothing"  # the session stays as it was before the request
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     session: str
@@ -34,9 +42,7 @@ class GenerationRequest:
     priority: Priority = Priority.ASK
     deadline_s: float | None = None  # seconds from submit; None = the executor default
     one_sentence: bool = False  # end at the first sentence's end (`sequence.sentence_end`)
-    # a turn its deadline or a cancel cut off stays in the session (the default: an answer the
-    # reader saw part of); False: the session stays as it was before this request
-    keep_partial: bool = True
+    on_cut: OnCut = OnCut.ANSWER  # what a turn cut off leaves in the session
 
 
 CUT_SHORT = frozenset({"deadline", "cancelled"})  # finish reasons of a turn cut off

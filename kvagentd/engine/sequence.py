@@ -43,6 +43,7 @@ class GenerationResult:
     prefill_tokens: int = 0  # tokens run through the model before the first answer token
     finish_reason: str = ""  # stop | length | deadline | cancelled
     saved: bool = False  # the turn was saved in its session (a next turn continues it)
+    session_tokens: int = 0  # tokens its session holds after it (when saved)
     ttft_s: float = 0.0  # from admission (after queueing) to the first token
     total_s: float = 0.0  # from admission to the end
     queue_wait_s: float = 0.0  # from submit to the first admission

@@ -201,7 +201,8 @@ class ChatFormat:
 
     `first_turn` = system (or the template's default) + user turn + assistant header;
     `next_turn` = user turn + assistant header only; `close_turn` = what ends an assistant
-    turn after the generated ids (e.g. "<|im_end|>\\n"), minus an end token already generated.
+    turn after the generated ids (e.g. "<|im_end|>\\n"), minus an end token already generated;
+    `unanswered` = a prompt without its assistant header (a turn cut before its answer).
     """
 
     _MARK = "\u2063kvagentd\u2063"
@@ -217,6 +218,10 @@ class ChatFormat:
         self._turn_before, self._turn_after = full[len(prefix):].split(self._MARK)
         asst = self._render(sys_msg + [{"role": "assistant", "content": self._MARK}], False)
         self._close_text = asst.split(self._MARK)[1]
+        user = sys_msg + [{"role": "user", "content": self._MARK}]
+        ended = self._render(user, False)
+        self._header = (self._encode(full[len(ended):]) if full.startswith(ended)
+                        and len(full) > len(ended) else [])
 
     def first_turn(self, system: str | None, text: str) -> list[int]:
         messages = [{"role": "system", "content": system}] if system else []
@@ -232,6 +237,15 @@ class ChatFormat:
             if isinstance(end, str) and text.startswith(end):
                 text = text[len(end):]
         return self._encode(text) if text else []
+
+    def unanswered(self, prompt: Sequence[int]) -> list[int]:
+        """`prompt` (ids that end with the assistant header) as a user turn left unanswered:
+        without the header, so that the next turn follows it as another user turn; where the
+        ids do not end with the header, closed by an empty answer instead."""
+        h = self._header
+        if h and len(prompt) >= len(h) and list(prompt[len(prompt) - len(h):]) == h:
+            return list(prompt[:len(prompt) - len(h)])
+        return list(prompt) + self.close_turn([])
 
     def _render(self, messages: list[dict[str, str]], gen_prompt: bool) -> str:
         return str(self.tokenizer.apply_chat_template(messages, tokenize=False,

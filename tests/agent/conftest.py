@@ -8,6 +8,7 @@ import pytest
 
 from kvagentd.config import AgentConfig, AssetConfig
 from kvagentd.engine.executor import GenerationRequest, QueueFull
+from kvagentd.engine.job import OnCut
 from kvagentd.engine.sequence import GenerationResult
 
 
@@ -54,13 +55,17 @@ class FakeExecutor:
             prompt = prior + len(req.text.split())
             answer = self.answer
             new = len(answer.split())
-            saved = new > 0 and (self.finish_reason not in ("deadline", "cancelled")
-                                 or req.keep_partial)
-            if saved:
-                self.sessions[req.session] = prompt + new  # as the engine keeps the turn
+            # as the engine keeps the turn: answered, or cut and kept as its request says
+            on_cut = (req.on_cut if self.finish_reason in ("deadline", "cancelled")
+                      else OnCut.ANSWER)
+            held = {OnCut.ANSWER: prompt + new if new else 0, OnCut.NOTHING: 0,
+                    OnCut.PROMPT: prompt - 1}[on_cut]  # a prompt less its assistant header
+            if held:
+                self.sessions[req.session] = held
         return FakeJob(GenerationResult(req.session, answer, new_tokens=new, prompt_tokens=prompt,
                                         reused_tokens=prior, recomputed_tokens=prompt - prior,
-                                        finish_reason=self.finish_reason, saved=saved))
+                                        finish_reason=self.finish_reason, saved=held > 0,
+                                        session_tokens=held))
 
     def submit_all(self, reqs: list[GenerationRequest]) -> list[FakeJob | QueueFull]:
         self.beats.append(len(reqs))

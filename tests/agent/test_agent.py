@@ -13,6 +13,7 @@ from kvagentd.agent.features import Window
 from kvagentd.agent.sensors import SensorSource
 from kvagentd.config import AssetConfig, FaultConfig
 from kvagentd.engine.executor import Priority
+from kvagentd.engine.job import OnCut
 
 from .conftest import agent_config
 
@@ -290,40 +291,40 @@ def test_commentary_cut_at_the_deadline_is_not_shown(tmp_path, fake_executor, sc
     assert ag.tick_once("pump-1")["assessment"] == "No fault: no action."
 
 
-def test_a_first_turn_cut_before_its_first_token_is_started_again(tmp_path, fake_executor,
+def test_a_first_turn_cut_before_its_first_token_keeps_its_prompt(tmp_path, fake_executor,
                                                                   scheduler, clock):
-    """A first turn the deadline cuts before the model wrote anything leaves no session in the
-    engine (there is no turn to keep). The agent goes by what the engine saved, not by what it
-    asked for: the next tick starts the session again (system prompt, profile, summary), not a
-    continuation of a session that does not exist."""
+    """A first turn the deadline cuts before the model wrote anything still holds the system
+    prompt, profile and summary, and their KV: the engine keeps it as a user turn left
+    unanswered, and the next tick continues that session instead of computing all of it again
+    (a slow device that cannot answer the first turn within one interval would otherwise fail
+    it every tick). The agent goes by what the engine saved."""
     ag = make_agent(tmp_path, fake_executor, scheduler, clock)
     fake_executor.answer, fake_executor.finish_reason = "", "deadline"
     ag.tick_once("pump-1")
     first = fake_executor.requests[-1]
-    assert first.keep_partial and first.session not in fake_executor.sessions
-    assert ag.assets["pump-1"].session_tokens == 0
+    assert first.on_cut is OnCut.PROMPT
+    kept = fake_executor.sessions[first.session]
+    assert ag.assets["pump-1"].session_tokens == kept > 0
     clock.advance(3)
     fake_executor.answer, fake_executor.finish_reason = "Condition normal, no action.", "stop"
     ag.tick_once("pump-1")
     again = fake_executor.requests[-1]
-    assert again.session == first.session and again.keep_partial  # a first turn, again
-    assert again.text.startswith(first.text.split("\n")[0])  # the profile leads it again
-    assert ag.assets["pump-1"].session_tokens == fake_executor.sessions[first.session] > 0
-    clock.advance(3)
-    ag.tick_once("pump-1")
-    assert not fake_executor.requests[-1].keep_partial  # now a continuation
+    assert again.session == first.session and again.on_cut is OnCut.NOTHING  # a continuation
+    assert not again.text.startswith(first.text.split("\n")[0])  # no profile again
+    assert ag.assets["pump-1"].session_tokens == fake_executor.sessions[first.session] > kept
 
 
 def test_a_cut_commentary_is_not_kept_in_the_session(tmp_path, fake_executor, scheduler, clock):
     """A fragment kept as the assistant's turn is copied by the model in the next turns (the
     field saw 'The recent' answered tick after tick): the tick asks the engine not to keep a
     later turn its deadline cut, and the session's size stays what it was. A first turn is
-    kept all the same (a slow device would otherwise redo it, and fail it, every tick)."""
+    kept without its fragment (a slow device would otherwise redo it, and fail it, every
+    tick)."""
     ag = make_agent(tmp_path, fake_executor, scheduler, clock)
     fake_executor.answer, fake_executor.finish_reason = "Pump-1 runs in zone", "deadline"
     ag.tick_once("pump-1")  # a first turn is kept, cut or not: it starts the session
     first = fake_executor.requests[-1]
-    assert first.keep_partial and first.session in fake_executor.sessions
+    assert first.on_cut is OnCut.PROMPT and first.session in fake_executor.sessions
     session = first.session
     size = fake_executor.sessions[session]
     tokens = ag.assets["pump-1"].session_tokens
@@ -332,7 +333,7 @@ def test_a_cut_commentary_is_not_kept_in_the_session(tmp_path, fake_executor, sc
     fake_executor.answer, fake_executor.finish_reason = "The recent", "deadline"
     ag.tick_once("pump-1")
     cut = fake_executor.requests[-1]
-    assert cut.session == session and not cut.keep_partial
+    assert cut.session == session and cut.on_cut is OnCut.NOTHING
     assert fake_executor.sessions[session] == size and ag.assets["pump-1"].session_tokens == size
     st = ag.assets["pump-1"]
     assert st.llm_failing == 2 and "deadline" in (st.llm_error or "")  # no commentary: failed

@@ -11,6 +11,7 @@ import pytest
 
 from kvagentd.config import ExecutorConfig
 from kvagentd.engine.executor import GenerationRequest, JobNotRun, Priority, QueueFull
+from kvagentd.engine.job import OnCut
 from kvagentd.engine.model import LoadedModel
 from kvagentd.engine.service import Engine, SessionBusy
 
@@ -114,6 +115,28 @@ def test_queue_full_raises(tiny: LoadedModel, tmp_path: Path) -> None:
         running.result(30)
 
 
+def test_a_cut_turn_can_keep_its_prompt_without_the_fragment(engine: Engine) -> None:
+    """`OnCut.PROMPT`: the session keeps the turn as a user turn left unanswered (no assistant
+    header, no fragment), with the prompt's blocks; the next turn follows it as another user
+    turn and reuses those blocks."""
+    chat = engine.executor.chat
+    job = engine.submit(GenerationRequest("p", "x " * 60, max_new_tokens=2000, system="s",
+                                          on_cut=OnCut.PROMPT))
+    next(job.stream())
+    job.cancel()
+    r = job.result(60)
+    assert r.finish_reason == "cancelled" and r.new_tokens > 0 and r.saved
+    prompt = chat.first_turn("s", "x " * 60)
+    held = engine.table.get("p")
+    assert held.token_ids == chat.unanswered(prompt) == prompt[:len(held.token_ids)]
+    assert len(held.token_ids) < len(prompt) and r.session_tokens == len(held.token_ids)
+    bt = engine.executor.blocks.geometry.block_tokens
+    assert len(held.block_keys) == len(held.token_ids) // bt > 0
+    nxt = engine.submit(GenerationRequest("p", "y", max_new_tokens=2)).result(60)
+    assert nxt.prompt_tokens == len(held.token_ids) + len(chat.next_turn("y"))
+    assert nxt.reused_tokens == len(held.block_keys) * bt
+
+
 def test_cancel_deadline_and_failure(engine: Engine) -> None:
     long = engine.submit(GenerationRequest("long", "x", max_new_tokens=2000, system="s"))
     next(long.stream())
@@ -122,14 +145,15 @@ def test_cancel_deadline_and_failure(engine: Engine) -> None:
     assert r.finish_reason == "cancelled" and r.new_tokens < 2000
     assert engine.table.get("long").turns == 1 and r.saved  # the partial answer is kept
     before = list(engine.table.get("long").token_ids)
-    cut = engine.submit(GenerationRequest("long", "y", max_new_tokens=2000, keep_partial=False))
+    cut = engine.submit(GenerationRequest("long", "y", max_new_tokens=2000,
+                                          on_cut=OnCut.NOTHING))
     next(cut.stream())
     cut.cancel()
     assert cut.result(60).finish_reason == "cancelled" and not cut.result(60).saved
     # ... unless the request says otherwise: then the session stays as it was
     assert engine.table.get("long").turns == 1 and engine.table.get("long").token_ids == before
     fresh = engine.submit(GenerationRequest("fresh", "x", max_new_tokens=2000, system="s",
-                                            keep_partial=False))
+                                            on_cut=OnCut.NOTHING))
     next(fresh.stream())
     fresh.cancel()
     assert fresh.result(60).finish_reason == "cancelled" and engine.table.get("fresh") is None
