@@ -305,7 +305,8 @@ class Agent:
         measured = {"kind": "tick", "zone": diagnosis.zone, "anomaly": diagnosis.anomaly,
                     "features": features, "diagnosis": d}
         try:
-            turn = self._next_turn(st, now, prompts.observation(now, d)) if use_llm else None
+            obs = prompts.observation(now, d)
+            turn = self._next_turn(st, now, obs) if use_llm else None
             eid = self._record(st, t=now, features=features, zone=diagnosis.zone,
                                anomaly=diagnosis.anomaly, session=turn[0] if turn else None,
                                note=note, diagnosis=d)
@@ -314,7 +315,7 @@ class Agent:
         self.windows.offer(a.name, eid, now, window, diagnosis.anomaly)
         commentary, withheld = None, False
         if turn is not None:
-            commentary, withheld, why = self._comment(st, d, *turn, started=t0)
+            commentary, withheld, why = self._comment(st, d, *turn, started=t0, obs=obs)
             if why:
                 note = f"{note}; {why}" if note else why
         latency = time.perf_counter() - t0
@@ -328,8 +329,10 @@ class Agent:
                                       {**measured, "id": eid, "assessment": commentary})
 
     def _comment(self, st: AssetState, d: dict[str, Any], session: str, text: str,
-                 system: str | None, *, started: float) -> tuple[str | None, bool, str | None]:
-        """The model's commentary on this tick: (text shown, withheld?, note)."""
+                 system: str | None, *, started: float, obs: str
+                 ) -> tuple[str | None, bool, str | None]:
+        """The model's commentary on this tick (`text` the turn, `obs` its observation):
+        (text shown, withheld?, note)."""
         assert self.model is not None
         done = self.model.submit_tick(session, text, system, started=started,
                                       first=st.session_tokens == 0)
@@ -366,6 +369,12 @@ class Agent:
             log.debug("agent.commentary_withheld", asset=st.asset.name, reason=verdict.reason,
                      text=done.text)
             return None, True, f"commentary withheld: {verdict.reason}"
+        copy = grounding.copied(done.text or "", given.replace(obs, " "), obs)
+        if copy is not None:
+            # nothing about this tick; a new session would be given the same profile and
+            # summary to copy, so the session goes on
+            st.withheld += 1
+            return None, True, f"commentary withheld: copies what it was given ({copy!r})"
         st.last_assessment, st.last_assessment_t = done.text, self.clock()
         return done.text, False, None
 

@@ -18,6 +18,13 @@ when it
 A phrase preceded by a negation ("no", "not", "without" ... within three words) is not a claim.
 The checks are deliberately literal: they cannot tell a paraphrase that is right from one
 that is wrong, so they only let through text that restates what was measured.
+
+`copied(text, context, current)` is a check of its own: text that is, word for word, a piece of
+what the model was given before this tick (its session's first turn: profile and summary of
+recent state; earlier observations) and not of this tick's observation says nothing about this
+tick ("The recent state of pump-1 over 20 measurements from ...", a small model's copy of the
+summary's first words, tick after tick). At least `COPY_MIN_WORDS` words: a shorter match is a
+common phrase ("in zone A"), not a copy.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ NUMBER_RE = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?")
 # After a number: a line name ("2xBSF", "BPFI-1x": an order up to 10 with "x") is not a number.
 _LINE_NAME_RE = re.compile(r"x[A-Za-z]|x\b")
 RELATIVE_MATCH = 0.02
+COPY_MIN_WORDS = 5
+_WORDS_RE = re.compile(r"[^0-9a-z]+")
 
 
 class Verdict(NamedTuple):
@@ -135,3 +144,21 @@ def check(text: str | None, diagnosis: Mapping[str, Any], evidence: str, *,
     if invented:
         reasons.append(f"states {invented[0]:g}, a number not in the evidence")
     return Verdict(not reasons, tuple(reasons))
+
+
+def _words(text: str) -> str:
+    return " " + " ".join(_WORDS_RE.sub(" ", text.lower()).split()) + " "
+
+
+def copied(text: str, context: str, current: str) -> str | None:
+    """The words of `text` (a leading "the" aside) when they are a piece of `context` (what
+    the model was given before) and not of `current` (this tick's observation); else None."""
+    words = _words(text)
+    if words.startswith(" the "):
+        words = words[4:]
+    body = words.strip()
+    if len(body.split()) < COPY_MIN_WORDS:
+        return None
+    if body in _words(context) and body not in _words(current):
+        return body
+    return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvagentd.agent.grounding import check, fragment
+from kvagentd.agent.grounding import check, copied, fragment
 from kvagentd.agent.prompts import diagnosis_text
 
 OUTER = {"fault": "outer_race", "severity": "low", "confidence": 0.9, "zone": "A",
@@ -60,3 +60,22 @@ def test_fragments(text, is_fragment):
     # withheld only where the model ended the text itself, not a token limit
     assert check(text, NONE, EVIDENCE, ended=True).ok is not is_fragment
     assert "fragment" not in check(text, NONE, EVIDENCE).reason
+
+
+SUMMARY = ("Recent state of pump-1 over 20 measurements from 2026-12-02T08:54:30 to "
+           "2026-12-02T08:55:27: RMS 0.90-1.04 mm/s (last 0.97); zones A 20; diagnoses none 20.")
+OBS = "08:56:27 RMS 0.96 mm/s, zone A, kurtosis 2.9, no fault pattern."
+
+
+@pytest.mark.parametrize("text, copy", [
+    # the model's copy of the summary's first words, cut by its token limit (the field's case)
+    ("The recent state of pump-1 over 20 measurements from 2026-12-02", True),
+    ("recent state of pump-1 over 20 measurements", True),
+    # this tick's own observation, restated: a commentary
+    ("RMS 0.96 mm/s, zone A, kurtosis 2.9, no fault pattern.", False),
+    ("Zone A, no fault pattern.", False),  # under five words: a common phrase
+    ("Vibration of pump-1 stays low in zone A over 20 measurements.", False),
+])
+def test_a_copy_of_what_the_model_was_given_is_found(text, copy):
+    got = copied(text, f"Pump-1 is a centrifugal pump. Date 2026-12-02 (UTC).\n{SUMMARY}", OBS)
+    assert (got is not None) is copy
