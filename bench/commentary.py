@@ -9,8 +9,9 @@ The baseline is off (`baseline_s = 0`): sampled ticks are too sparse to learn it
 
 Reported: commentaries, how many were withheld and why (says normal/healthy/idle while a
 fault or zone C/D is diagnosed; raises an alarm when none is, or overstates a low severity;
-names another fault; states a number not in its prompt; empty), per fault kind, and a few
-examples of each. The tick interval is set to 60 s so a turn on a loaded CPU gets its deadline:
+names another fault; states a number not in its prompt; empty; copies what it was given before
+the tick: withheld, but not counted as a contradiction), per fault kind, and a few examples of
+each. The tick interval is set to 60 s so a turn on a loaded CPU gets its deadline:
 this measures text, not latency.
 
     .venv/bin/python -m bench.commentary                     # embedded SmolLM2-135M, 24 samples
@@ -40,10 +41,11 @@ ONSET_S = 2 * 3600.0
 # Fault growth per hour, by kind, so that each kind reaches a clear signature during the day;
 # running-speed faults cross into zone C and D.
 GROWTH = {"imbalance": 0.25, "misalignment": 0.25, "looseness": 0.4}
+COPY = "copies what it was given"  # withheld, but no contradiction
 CATEGORIES = (("says normal", "says '"), ("raises an alarm", "raises an alarm"),
               ("overstates the severity", "overstates"),
               ("names another fault", "names "), ("states a number not given", "states "),
-              ("empty", "empty"))
+              ("empty", "empty"), (COPY, "copies "))
 
 
 def _category(note: str) -> str:
@@ -103,6 +105,7 @@ def run(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
 def summarize(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     commented = [r for r in rows if r.get("assessment") or r.get("withheld")]
     withheld = [r for r in commented if r.get("withheld")]
+    contradicting = [r for r in withheld if _category(r["note"]) != COPY]
     per_kind: dict[str, dict[str, Any]] = {}
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in commented if r["kind"] == kind]
@@ -120,7 +123,8 @@ def summarize(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     shown = [r for r in commented if not r.get("withheld")]
     return {
         "ticks": len(rows), "commentaries": len(commented), "withheld": len(withheld),
-        "contradiction_rate": len(withheld) / len(commented) if commented else None,
+        "contradicting": len(contradicting),
+        "contradiction_rate": len(contradicting) / len(commented) if commented else None,
         "why": dict(Counter(_category(r["note"]) for r in withheld)),
         "per_kind": per_kind, "examples_withheld": examples,
         "examples_shown": [{"fault": str(r.get("fault")), "text": str(r["assessment"])}
@@ -162,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                  for k, v in res["per_kind"].items()],
                 title=f"Commentary of {loaded.name} checked against the diagnosis")
     rate = res["contradiction_rate"]
-    print(f"\ncontradiction rate: {res['withheld']}/{res['commentaries']} = "
-          f"{'-' if rate is None else f'{rate:.1%}'}; llm errors {res['llm_errors']}; "
-          f"{res['wall_s']} s")
+    print(f"\ncontradiction rate: {res['contradicting']}/{res['commentaries']} = "
+          f"{'-' if rate is None else f'{rate:.1%}'} ({res['withheld']} withheld in all, copies "
+          f"of the prompt included); llm errors {res['llm_errors']}; {res['wall_s']} s")
     for cat, ex in res["examples_withheld"].items():
         print(f"  withheld ({cat}), e.g.: {ex[0]['note'][:150]}")
     for ex in res["examples_shown"][:3]:

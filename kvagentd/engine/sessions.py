@@ -239,13 +239,16 @@ class ChatFormat:
         return self._encode(text) if text else []
 
     def unanswered(self, prompt: Sequence[int]) -> list[int]:
-        """`prompt` (ids that end with the assistant header) as a user turn left unanswered:
-        without the header, so that the next turn follows it as another user turn; where the
-        ids do not end with the header, closed by an empty answer instead."""
+        """`prompt` as a user turn left unanswered: without its trailing assistant header, so
+        that the next turn follows it as another user turn. Ids that do not end with the header
+        (a session's own ids, continued without a new turn) stay as they are; with a template
+        whose header is not known, the turn is closed by an empty answer."""
         h = self._header
-        if h and len(prompt) >= len(h) and list(prompt[len(prompt) - len(h):]) == h:
+        if not h:
+            return list(prompt) + self.close_turn([])
+        if len(prompt) >= len(h) and list(prompt[len(prompt) - len(h):]) == h:
             return list(prompt[:len(prompt) - len(h)])
-        return list(prompt) + self.close_turn([])
+        return list(prompt)
 
     def _render(self, messages: list[dict[str, str]], gen_prompt: bool) -> str:
         return str(self.tokenizer.apply_chat_template(messages, tokenize=False,
