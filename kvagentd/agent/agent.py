@@ -362,19 +362,22 @@ class Agent:
         st.commentaries += 1
         verdict = grounding.check(done.text, d, given, ended=_ended(done))
         if not verdict.ok:
-            st.withheld += 1
+            why = f"commentary withheld: {verdict.reason}"
+            st.checked(why)
             # NOTE: the contradicting text is in this session's KV; a new session keeps it out
             # of the context of later turns.
             st.force_rollover = True
             log.debug("agent.commentary_withheld", asset=st.asset.name, reason=verdict.reason,
                      text=done.text)
-            return None, True, f"commentary withheld: {verdict.reason}"
+            return None, True, why
         copy = grounding.copied(done.text or "", given.replace(obs, " "), obs)
         if copy is not None:
             # nothing about this tick; a new session would be given the same profile and
             # summary to copy, so the session goes on
-            st.withheld += 1
-            return None, True, f"commentary withheld: copies what it was given ({copy!r})"
+            why = f"commentary withheld: copies what it was given ({copy!r})"
+            st.checked(why)
+            return None, True, why
+        st.checked(None)
         st.last_assessment, st.last_assessment_t = done.text, self.clock()
         return done.text, False, None
 

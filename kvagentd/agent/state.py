@@ -40,7 +40,7 @@ class AssetState:
     llm_failing: int = 0  # model turns without commentary in a row (0 after one that answered)
     llm_error: str | None = None  # why the last of them gave none
     commentaries: int = 0  # model answers checked against the diagnosis
-    withheld: int = 0  # ... of which contradicted it and were not shown
+    withheld: int = 0  # ... of which the check withheld (not shown)
     unrecorded: int = 0  # ticks not written to the event log since one was (disk full, I/O)
     unrecorded_error: str | None = None  # why the last one was not
     unrecorded_t: float | None = None  # when (the agent's clock)
@@ -62,6 +62,17 @@ class AssetState:
     def session(self) -> str:
         return f"{self.asset.name}-{self.session_index}"
 
+    def checked(self, withheld: str | None) -> None:
+        """A finished turn's commentary after the check: shown (`withheld` None) ends a run of
+        turns without commentary; withheld (why, the event's note) extends it, as a failed or
+        cut turn does (`llm:ASSET` degrades after a few in a row)."""
+        if withheld is None:
+            self.llm_failing = 0
+            return
+        self.withheld += 1
+        self.llm_failing += 1
+        self.llm_error = withheld
+
     def account(self, done: Completion, now: float, given: str = "") -> None:
         """Record a tick's completion (session size and text, reuse, errors); `given`: the
         session's user turns with this one, what the session holds if the engine kept it."""
@@ -80,8 +91,8 @@ class AssetState:
                               f"tokens (the model does not finish a sentence within the "
                               f"interval: fewer assets with llm, a longer tick interval or a "
                               f"faster device)")
-        else:
-            self.llm_failing = 0
+        # a turn that finished ends a run of turns without commentary only when its text is
+        # shown (`checked`)
         # a turn the engine did not keep (a later one cut off by its deadline, a first one cut
         # before its first token) leaves the session what it was
         if done.kept:

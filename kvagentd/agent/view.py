@@ -32,6 +32,7 @@ class AssetView(NamedTuple):
     llm_error: str | None = None  # why the last of them gave none
     llm_errors: int = 0  # model turns failed since start
     llm_cut: int = 0  # model turns the tick's deadline cut since start
+    llm_withheld: int = 0  # commentaries the check withheld since start
 
 
 class _AssetState(Protocol):
@@ -45,6 +46,7 @@ class _AssetState(Protocol):
     llm_error: str | None
     llm_errors: int
     llm_cut: int
+    withheld: int
 
 
 def stale_after_s(config: AgentConfig) -> float:
@@ -86,4 +88,4 @@ def asset_view(st: _AssetState, last_row: dict[str, Any] | None, config: AgentCo
         last_refused=str(newest.get("note") or "refused")
         if newest and newest.get("kind") == "bad_data" else None,
         llm_failing=st.llm_failing, llm_error=st.llm_error, llm_errors=st.llm_errors,
-        llm_cut=st.llm_cut)
+        llm_cut=st.llm_cut, llm_withheld=st.withheld)

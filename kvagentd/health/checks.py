@@ -202,10 +202,14 @@ def llm(a: AssetView) -> Check:
     """Whether the asset's ticks get their commentary."""
     name = f"llm:{a.name}"
     since = f"{a.llm_errors} turns failed" + (
-        f" and {a.llm_cut} were cut by the tick's deadline" if a.llm_cut else "") + " since start"
+        f" and {a.llm_cut} were cut by the tick's deadline" if a.llm_cut else "") + (
+        f"; {a.llm_withheld} commentaries withheld" if a.llm_withheld else "") + " since start"
     if a.llm_failing >= LLM_FAILING_TURNS:
+        hint = ("; the model's text disagrees with the diagnosis or copies its prompt "
+                "(`kvctl events` shows each): a larger model comments better"
+                if (a.llm_error or "").startswith("commentary withheld") else "")
         return Check(name, DEGRADED, f"the last {a.llm_failing} model turns gave no commentary, "
-                                     f"the last: {a.llm_error}; ticks still measure and "
+                                     f"the last: {a.llm_error}{hint}; ticks still measure and "
                                      f"diagnose ({since})")
     if a.llm_failing:
         return Check(name, OK, f"the last model turn gave no commentary ({a.llm_error}); "

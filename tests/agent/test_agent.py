@@ -367,18 +367,26 @@ def test_commentary_that_copies_the_prompt_is_withheld_and_the_session_goes_on(
     """A small model's copy of its first turn's summary says nothing about the tick: withheld,
     with the words it copied; the session goes on (a new one would hold the same summary to
     copy). Restating this tick's own observation is a commentary."""
+    from kvagentd.health import checks
     ag = make_agent(tmp_path, fake_executor, scheduler, clock)
     fake_executor.answer = "Recent state of pump-1: no measurements yet."
     row = ag.tick_once("pump-1")
     assert row["assessment"] is None and row["withheld"]
     assert "copies what it was given ('recent state of pump 1 no measurements yet')" in row["note"]
+    for _ in range(2):  # withheld turn after turn: `llm:pump-1` says the ticks get none
+        clock.advance(3)
+        assert ag.tick_once("pump-1")["withheld"]
+    check = checks.llm(ag.asset_views()[0])
+    assert check.level is checks.DEGRADED and "copies what it was given" in check.reason
+    assert "3 commentaries withheld" in check.reason and "a larger model" in check.reason
     clock.advance(3)
     fake_executor.answer = "The pump-1 runs in zone A with no fault pattern."
     row2 = ag.tick_once("pump-1")
     assert row2["session"] == row["session"]
     assert row2["assessment"] == fake_executor.answer and not row2["withheld"]
+    assert checks.llm(ag.asset_views()[0]).level is checks.OK
     st = ag.status()["assets"]["pump-1"]
-    assert st["commentaries"] == 2 and st["commentaries_withheld"] == 1
+    assert st["commentaries"] == 4 and st["commentaries_withheld"] == 3
 
 
 def test_commentary_that_contradicts_the_diagnosis_is_withheld(tmp_path, fake_executor,

@@ -107,7 +107,7 @@ def test_wrong_password_is_refused(tmp_path: Path, secure: Broker, pki: Pki) -> 
         # `kvctl health` says why the sensor has no data
         view = asset_view(SimpleNamespace(asset=src.asset, source=src, last_t=None, bad={},
                                           llm_failing=0, llm_error=None, llm_errors=0,
-                                          llm_cut=0),
+                                          llm_cut=0, withheld=0),
                           None, AgentConfig(), now=0.0, started_at=0.0)
         check = sensor(view, HealthConfig())
         assert check.level.value == "degraded" and f"(refused: {st['reason']})" in check.reason
