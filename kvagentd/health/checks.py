@@ -50,7 +50,7 @@ def assess(cfg: Config, facts: Facts, acks: Acknowledgements) -> Report:
     for t in facts.ticks:
         checks += [ticks(t, h), skip_rate(t, h), tick_p99(t, h)]
     checks += [sensor(a, h) for a in facts.assets]
-    checks += [llm(a) for a in facts.assets if a.llm_errors or a.llm_cut]
+    checks += [llm(a) for a in facts.assets if a.llm_errors or a.llm_cut or a.llm_withheld]
     checks += list(_cold(facts, h, acks))
     if facts.wear is not None:
         checks.append(ssd_wear(facts.wear, h, cfg.maintenance.wear_readonly_percent))

@@ -221,6 +221,23 @@ def test_report_summary_names_the_worst_first() -> None:
     assert r.as_dict()["status"] == "failing"
 
 
+def test_llm_is_listed_and_degraded_when_every_commentary_is_withheld() -> None:
+    """The model answers every tick but the check withholds every text: the ticks get no
+    commentary, so `llm:ASSET` is listed (no turn failed or was cut) and degrades."""
+    cfg = load_config(None, env={})
+    why = "commentary withheld: copies what it was given ('recent state of pump 1 over 20')"
+    view = _view(llm_failing=3, llm_error=why, llm_withheld=3)
+    c = _by_name(assess(cfg, _facts(assets=(view,)), Acknowledgements()))["llm:pump-1"]
+    assert c.level is DEGRADED  # type: ignore[attr-defined]
+    assert "copies what it was given" in c.reason and "a larger model" in c.reason  # type: ignore[attr-defined]
+    assert "3 commentaries withheld since start" in c.reason  # type: ignore[attr-defined]
+    fine = _view(llm_failing=0, llm_withheld=3)
+    assert _by_name(assess(cfg, _facts(assets=(fine,)), Acknowledgements()))[
+        "llm:pump-1"].level is OK  # type: ignore[attr-defined]
+    assert "llm:pump-1" not in _by_name(assess(cfg, _facts(assets=(_view(),)),
+                                               Acknowledgements()))
+
+
 def test_llm_is_degraded_after_three_failed_turns_in_a_row() -> None:
     err = "llm: HotPoolFull: session 'pump-1-1' needs 75 hot blocks"
     one = checks.llm(_view(llm_failing=1, llm_error=err, llm_errors=4))
