@@ -76,6 +76,9 @@ class SimStore:
         self.listener = access_listener
         self.keys = keys
         self.id_of: dict[BlockKey, int] = {k: i for i, k in enumerate(keys)}
+        # keys made by `RequestTrace.block_keys` spell their id: read it, no dict lookup
+        self._spelled = all(len(k) == 16 and int.from_bytes(k, "big") == i
+                            for i, k in enumerate(keys))
         self.session_names = list(session_names)
         self.tier = np.full(n_blocks, NONE, dtype=np.int8)
         self.last_access = np.zeros(n_blocks, dtype=np.float64)
@@ -99,8 +102,21 @@ class SimStore:
         t = CODE_OF[tier]
         return PoolView(self.caps[t], self._free(t))
 
+    def ids_of(self, keys: Sequence[BlockKey]) -> np.ndarray:
+        """The id of each key (-1: not a block of this store)."""
+        n = len(keys)
+        if self._spelled:
+            raw = b"".join(keys)
+            if len(raw) == 16 * n:  # every key 16 bytes: the two halves of a big-endian id
+                half = np.frombuffer(raw, dtype=">u8").reshape(n, 2)
+                ok = (half[:, 0] == 0) & (half[:, 1] < len(self.keys))
+                ids = half[:, 1].astype(np.int64)
+                ids[~ok] = -1
+                return ids
+        return np.fromiter(map(self.id_of.get, keys, repeat(-1)), np.int64, n)
+
     def block_states(self, keys: Sequence[BlockKey]) -> BlockStates:
-        ids = np.fromiter(map(self.id_of.get, keys, repeat(-1)), np.int64, len(keys))
+        ids = self.ids_of(keys)
         ok = ids >= 0
         safe = np.where(ok, ids, 0)
         tier = np.where(ok, self.tier[safe], NONE).astype(np.int8)
@@ -157,7 +173,7 @@ class SimStore:
         return int(ids.size)
 
     def _ids(self, keys: Sequence[BlockKey]) -> np.ndarray:
-        ids = np.fromiter(map(self.id_of.get, keys, repeat(-1)), np.int64, len(keys))
+        ids = self.ids_of(keys)
         return sorted_unique(ids[ids >= 0])
 
     def evict(self, keys: Sequence[BlockKey]) -> int:

@@ -15,8 +15,10 @@ from bench.placement_sim.store import SimStore
 from kvagentd.config import PlacementConfig
 from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.placement import AccessFeed, PlacementService
-from kvagentd.kvcache.placement.base import CODE_OF, HOT, WARM, Action, Capacities, Reason
+from kvagentd.kvcache.placement.base import CODE_OF, HOT, WARM, Action, Capacities, Reason, Want
 from kvagentd.kvcache.placement.feed import Access
+from kvagentd.kvcache.placement.gather import WishRows
+from kvagentd.kvcache.placement.prefetch import Wish
 from kvagentd.kvcache.placement.service import SWEEP_ROWS
 from kvagentd.kvcache.placement.policy import (Candidates, LRUPolicy, PolicyParams, ReusePolicy,
                                                RoundView, make_policy)
@@ -335,3 +337,29 @@ def test_service_demotes_to_head_room_in_the_real_store(make_store):
     assert set(states.tier.tolist()) <= {CODE_OF[W], CODE_OF[C]}
     store.check_integrity()
     store.close()
+
+
+def test_wish_rows_are_remembered_until_a_row_is_freed_and_the_first_wish_holds():
+    stats = AccessStats()
+    keys = [key(i) for i in range(4)]
+    stats.record([Access(keys, "s", 0.0)])
+    a = Wish("a", tuple(keys[:3]), Want(H, Reason.PREDICT))
+    b = Wish("b", tuple(keys[2:]), Want(W, Reason.COACCESS))
+    rows = WishRows()
+    got = rows(stats, [a, b])
+    assert got.rows.tolist() == stats.rows_of(keys).tolist()
+    assert got.tier.tolist() == [HOT, HOT, HOT, WARM]  # keys[2] is wished by a first
+    assert rows(stats, [a, b]) is got  # the same wishes: no key is looked up again
+    assert rows(stats, [b]).rows.tolist() == stats.rows_of(keys[2:]).tolist()
+    stats.forget(stats.rows_of(keys[:1]))
+    stats.record([Access([key(99)], "t", 1.0)])  # takes the freed row
+    again = rows(stats, [a, b])
+    assert again.rows.tolist() == stats.rows_of(keys).tolist()
+    assert stats.key_of(int(again.rows[0])) == keys[0] and again.rows[0] != got.rows[0]
+
+
+def test_positions_finds_rows_among_others():
+    stats = AccessStats()
+    stats.record([Access([key(i) for i in range(6)], "s", 0.0)])
+    among = np.array([4, 1, 3])
+    assert stats.positions(np.array([1, 2, 3, 4, 1]), among).tolist() == [1, -1, 2, 0, 1]

@@ -195,3 +195,36 @@ def test_a_predicted_block_is_raised_once_per_predicted_use_not_every_round():
     metrics = generate_latest(env.svc.registry).decode()
     assert f'kvagentd_placement_prefetched_blocks{{outcome="used"}} {outcomes["used"]}.0' \
         in metrics
+
+
+def test_wishes_name_each_session_once_and_keep_its_key_tuple():
+    p = Prefetcher(lead_s=1.0, interval_s=1.0, coaccess_window_s=5.0, coaccess_min_weight=3,
+                   coaccess_blocks=1)
+    a, b = [k("a", 0), k("a", 1)], [k("b", 0), k("b", 1)]
+    t = 0.0
+    for _ in range(4):  # a keeps a 100 s beat; b comes along each time
+        p.observe("a", a, t)
+        p.observe("b", b, t + 1.0)
+        t += 100.0
+    w1, w2 = p.wishes(t - 1.5), p.wishes(t - 1.4)
+    assert [(w.session, w.want.reason) for w in w1] == [("a", Reason.PREDICT)]
+    assert w1[0].keys is w2[0].keys  # the same tuple round after round: rows can be memoised
+    p.observe("a", a, t)
+    got = p.wishes(t + 0.5)  # b is due (its own beat) and a's co-access neighbour: once
+    assert [(w.session, w.want.reason, w.wished) for w in got] == [
+        ("b", Reason.PREDICT, tuple(b))]
+    assert p.wants(t + 0.5) == dict.fromkeys(b, got[0].want)
+
+
+def test_a_coaccess_wish_names_the_neighbours_last_blocks():
+    p = Prefetcher(coaccess_window_s=5.0, coaccess_min_weight=3, coaccess_blocks=1)
+    a, b = [k("a", 0)], [k("b", 0), k("b", 1)]
+    t = 0.0
+    for gap in (100.0, 900.0, 150.0, 1000.0):  # no steady beat: co-access only
+        p.observe("a", a, t)
+        p.observe("b", b, t + 1.0)
+        t += gap
+    p.observe("a", a, t)
+    (w,) = p.wishes(t + 0.5)
+    assert (w.session, w.want.reason, w.wished) == ("b", Reason.COACCESS, (b[-1],))
+    assert p.wants(t + 0.5) == {b[-1]: w.want}

@@ -10,6 +10,7 @@ import pytest
 
 from bench.placement_sim.optimum import belady, next_use
 from bench.placement_sim.replay import simulate
+from bench.placement_sim.store import SimStore
 from bench.placement_sim.request_trace import (TraceBuilder, from_events, read_trace,
                                                write_jsonl)
 from bench.placement_sim.workloads import (edge_agent, multiturn, multiturn_with_truth,
@@ -284,3 +285,16 @@ def test_edge_agent_ticks_roll_over_and_replays_resume_old_sessions():
     seed = seed_workload(0, duration_s=3600.0)
     assert {n.split("-")[0] for n in seed.session_names} == {"asset", "chat", "idle",
                                                              "report:archive"}
+
+
+def test_the_sim_store_reads_ids_from_its_own_keys_and_looks_up_others():
+    caps = Capacities(4, 8)
+    keys = [i.to_bytes(16, "big") for i in range(10)]
+    spelled = SimStore(caps, 10, keys, clock=lambda: 0.0)
+    odd = [(10).to_bytes(16, "big"), (1 << 64 | 3).to_bytes(16, "big")]  # no block's
+    assert spelled.ids_of([keys[7], *odd, keys[0]]).tolist() == [7, -1, -1, 0]
+    assert spelled.ids_of([keys[2], b"short"]).tolist() == [2, -1]
+    assert spelled.ids_of([]).size == 0
+    named = [f"k{i}".encode() for i in range(10)]
+    other = SimStore(caps, 10, named, clock=lambda: 0.0)
+    assert other.ids_of([named[3], b"k99"]).tolist() == [3, -1]

@@ -6,13 +6,61 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..base import Tier
-from .base import CODE_OF, TIER_OF, Capacities, PlacementStore, Want
-from .policy import NO_CANDIDATES, Candidates, PlacementPolicy, RoundView, wants_by_row
-from .prefetch import Prefetcher
+from collections.abc import Sequence
+
+from ..base import BlockKey, Tier
+from .base import CODE_OF, TIER_OF, Capacities, PlacementStore
+from .policy import (NO_CANDIDATES, NO_WANTS, REASONS, Candidates, PlacementPolicy, RoundView,
+                     Wanted)
+from .prefetch import Prefetcher, Wish
 from .stats import AccessStats, sorted_unique
 
 POOL_TIERS = (Tier.HOT, Tier.WARM)
+_REASON_CODE = {r: i for i, r in enumerate(REASONS)}
+
+
+class WishRows:
+    """The rows of the prefetcher's wishes, round after round. A session's wish names its last
+    request's keys, the same tuple every round until its next request: the rows found for it
+    are remembered while the tuple is the same and none of them has been freed since (row
+    generations), so a round looks keys up only for wishes that are new."""
+
+    def __init__(self) -> None:
+        self._memo: dict[str, tuple[tuple[BlockKey, ...], int, np.ndarray, np.ndarray]] = {}
+        self._last: tuple[list[Wish], Wanted, np.ndarray] | None = None  # a round's answer
+
+    def __call__(self, stats: AccessStats, wishes: Sequence[Wish]) -> Wanted:
+        if not wishes:
+            self._memo, self._last = {}, None
+            return NO_WANTS
+        last = self._last
+        if last is not None and _same(last[0], wishes) and (stats.gen[last[1].rows] == last[2]).all():
+            return last[1]  # the wishes of the round before, rows unchanged
+        memo: dict[str, tuple[tuple[BlockKey, ...], int, np.ndarray, np.ndarray]] = {}
+        for w in wishes:
+            m = self._memo.get(w.session)
+            if m is None or m[0] is not w.keys or m[1] != w.last \
+                    or (stats.gen[m[2]] != m[3]).any():  # a row freed since: look up again
+                rows = stats.ensure_rows(w.wished)
+                m = (w.keys, w.last, rows, stats.gen[rows])
+            memo[w.session] = m
+        self._memo = memo  # sessions no longer wished are forgotten
+        sizes = [memo[w.session][2].size for w in wishes]
+        rows = np.concatenate([memo[w.session][2] for w in wishes])
+        tier = np.repeat(np.array([CODE_OF[w.want.tier] for w in wishes], np.int8), sizes)
+        why = np.repeat(np.array([_REASON_CODE[w.want.reason] for w in wishes], np.int8), sizes)
+        idx = stats.firsts(rows)  # where groups share a block, the first group's wish holds
+        out = Wanted(rows[idx], tier[idx], why[idx])
+        self._last = (list(wishes), out, stats.gen[out.rows])
+        return out
+
+
+def _same(a: Sequence[Wish], b: Sequence[Wish]) -> bool:
+    """The same wishes, naming the same key tuples and wants (objects, not equal contents:
+    a cheap test, and a miss only costs a lookup)."""
+    return len(a) == len(b) and all(
+        x.keys is y.keys and x.want is y.want and x.last == y.last and x.session == y.session
+        for x, y in zip(a, b))
 
 
 class Gatherer:
@@ -20,9 +68,11 @@ class Gatherer:
     from placement's own `AccessStats`)."""
 
     def __init__(self, store: PlacementStore, stats: AccessStats, policy: PlacementPolicy,
-                 prefetcher: Prefetcher, rng: np.random.Generator, caps: Capacities) -> None:
+                 prefetcher: Prefetcher, rng: np.random.Generator, caps: Capacities,
+                 wish_rows: WishRows | None = None) -> None:
         self.store, self.stats, self.policy = store, stats, policy
         self.prefetcher, self.rng, self.caps = prefetcher, rng, caps
+        self.wish_rows = wish_rows if wish_rows is not None else WishRows()
 
     def roomy(self) -> bool:
         """True when hot and warm have their head-room and no prefetch wishes wait to be
@@ -42,19 +92,19 @@ class Gatherer:
         caps = self.caps
         free = {t: self.store.pool(t).num_free for t in POOL_TIERS}
         risers = NO_CANDIDATES
-        wants: dict[int, Want] = {}
-        wanted = np.zeros(0, dtype=np.int64)  # their rows
+        wanted = NO_WANTS
         incoming = {Tier.HOT: 0, Tier.WARM: 0}
         if self.policy.uses_heat:
             rows = self.stats.sample(CODE_OF[Tier.WARM], p.sample, self.rng, draws=4 * p.sample)
             if self.policy.uses_prefetch:
-                wants = wants_by_row(self.stats, self.prefetcher.wants(now))
-            wanted = np.fromiter(wants, np.int64, len(wants))
-            risers = self._risers(np.concatenate([rows, wanted]))
-            for r, code in zip(risers.rows.tolist(), risers.tier.tolist()):
-                w = wants.get(r)
-                if w is not None and CODE_OF[w.tier] < code:
-                    incoming[w.tier] += 1
+                wanted = self.wish_rows(self.stats, self.prefetcher.wishes(now))
+            risers = self._risers(np.concatenate([rows, wanted.rows]))
+            at = wanted.at(self.stats, risers.rows)
+            up = at >= 0
+            code = wanted.tier[at[up]]
+            code = code[code < risers.tier[up]]  # wished above where it is
+            for t in POOL_TIERS:
+                incoming[t] = int(np.count_nonzero(code == CODE_OF[t]))
             # room is made for at most a batch of wishes a round: a prediction is a guess
             incoming = {t: min(n, p.batch(caps.of(t))) for t, n in incoming.items()}
         short = {t: p.headroom(caps.of(t)) - free[t] + incoming[t] for t in POOL_TIERS}
@@ -75,11 +125,11 @@ class Gatherer:
         # not candidates: risers (the store's word over placement's belief) and blocks wished
         # for, while the wish lasts (else the next round raises them again: a loop that moves
         # bytes for nothing)
-        keep_up = np.concatenate([risers.rows, wanted])
+        keep_up = np.concatenate([risers.rows, wanted.rows])
         if keep_up.size:
             victims = {t: c.without(keep_up, self.stats) for t, c in victims.items()}
         self.stats.trim_arrived(4 * (caps.hot + caps.warm))
-        return RoundView(now, caps, free, victims, risers, wants, incoming)
+        return RoundView(now, caps, free, victims, risers, wanted, incoming)
 
     def _victims(self, tier: Tier, need: int) -> Candidates:
         """Blocks of `tier` that may go down. `lru`: the store's `need` least recently used

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..base import BlockKey, Tier
-from .base import TIER_OF, Capacities, MoveBatch, Plan, Reason, Want
+from .base import TIER_OF, Capacities, MoveBatch, Plan, Reason
 from .heat import HeatMap
 from .reuse import ReuseModel, reuse_density, reuse_model, reuse_tables
 from .stats import AccessStats
@@ -96,6 +96,30 @@ class Candidates:
 
 NO_CANDIDATES = Candidates(np.zeros(0, np.int64), np.zeros(0, np.int8))
 
+REASONS = tuple(Reason)  # `Wanted.reason` codes index this
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """Prefetch wishes by row: distinct `rows`, each with the tier code it is wished up to
+    and the code of its reason (an index into `REASONS`)."""
+
+    rows: np.ndarray  # int64
+    tier: np.ndarray  # int8
+    reason: np.ndarray  # int8
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def at(self, stats: AccessStats, rows: np.ndarray) -> np.ndarray:
+        """The index of each of `rows` among the wishes (-1: not wished)."""
+        if not len(self):
+            return np.full(rows.shape[0], -1, dtype=np.int64)
+        return stats.positions(rows, self.rows)
+
+
+NO_WANTS = Wanted(np.zeros(0, np.int64), np.zeros(0, np.int8), np.zeros(0, np.int8))
+
 
 @dataclass(frozen=True, slots=True)
 class RoundView:
@@ -106,7 +130,7 @@ class RoundView:
     free: Mapping[Tier, int]  # free slots of hot and warm
     victims: Mapping[Tier, Candidates]  # idle blocks of hot and of warm (tiers short of room)
     risers: Candidates = NO_CANDIDATES  # warm or cold blocks a policy may promote
-    wants: Mapping[int, Want] = field(default_factory=dict)  # prefetch wishes, by row
+    wanted: Wanted = NO_WANTS  # prefetch wishes, by row
     incoming: Mapping[Tier, int] = field(default_factory=dict)  # room the wishes need
 
     def need(self, tier: Tier, params: PolicyParams) -> int:
@@ -318,10 +342,13 @@ class HeatPolicy(PlacementPolicy):
         moves = _demotions(view, stats, p, score, Reason.HEAT, budget, direct_to_cold=False,
                            cold_below=bar)
         hot_enough = (h >= p.hot_factor * mean * (1.0 + p.hysteresis)) & (h > 0)
-        rows = r.rows.tolist()
-        wanted = np.fromiter((x in view.wants for x in rows), bool, len(rows))
-        reasons = [view.wants[x].reason if w else Reason.HEAT for x, w in zip(rows, wanted)]
-        dst = [view.wants[x].tier if w else Tier.HOT for x, w in zip(rows, wanted)]
+        at = view.wanted.at(stats, r.rows)
+        wanted = at >= 0
+        reasons, dst = [Reason.HEAT] * at.size, [Tier.HOT] * at.size
+        for i in np.flatnonzero(wanted).tolist():
+            j = int(at[i])
+            reasons[i] = REASONS[int(view.wanted.reason[j])]
+            dst[i] = TIER_OF[int(view.wanted.tier[j])]
         # prefetch wishes rank above heat
         # promotions have a budget of their own: a round that makes room for wished-for
         # blocks also brings them up
@@ -349,10 +376,3 @@ def make_policy(name: str, params: PolicyParams) -> PlacementPolicy:
     if kind is None:
         raise ValueError(f"unknown placement policy {name!r}; known: {', '.join(POLICIES)}")
     return kind(params)
-
-
-def wants_by_row(stats: AccessStats, wants: Mapping[BlockKey, Want]) -> dict[int, Want]:
-    """Prefetch wishes keyed by `AccessStats` row (rows are created for unseen keys)."""
-    keys = list(wants)
-    return dict(zip(stats.ensure_rows(keys).tolist(), wants.values()))
-

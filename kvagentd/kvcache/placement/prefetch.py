@@ -46,6 +46,7 @@ class _Session:
     episodes: int = 0  # runs of accesses separated by more than the co-access window
     accesses: int = 0
     neighbours: dict[str, float] = field(default_factory=dict)  # co-access weights
+    top: float = 0.0  # the largest of them (weights only grow; the weakest are dropped)
     paired: dict[str, float] = field(default_factory=dict)  # last time seen with a session
 
     def add_keys(self, keys: Sequence[BlockKey], limit: int) -> None:
@@ -59,6 +60,22 @@ class _Session:
 
     def recent(self, n: int) -> list[BlockKey]:
         return self.order[-n:] if n > 0 else []
+
+
+@dataclass(frozen=True, slots=True)
+class Wish:
+    """A session's blocks wished up: the last `last` (0: all) of `keys`, which is the
+    session's record of its last request (the same object until its next request, so a
+    consumer may remember what it made of it)."""
+
+    session: str
+    keys: tuple[BlockKey, ...]
+    want: Want
+    last: int = 0
+
+    @property
+    def wished(self) -> tuple[BlockKey, ...]:
+        return self.keys[-self.last:] if self.last else self.keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +112,9 @@ class Prefetcher:
         # (time its predicted next use enters the horizon, session, its last access): the
         # sessions with a steady beat, so a round looks at those due, not at every session
         self._due: list[tuple[float, str, float]] = []
+        # the entries whose time has come, by session, until the session is used again or
+        # its beat is missed (a round looks at these, not at the heap again)
+        self._entered: dict[str, tuple[float, str, float]] = {}
         self._urgent: deque[UrgentPrefetch] = deque(maxlen=max_urgent)
         self.counts = {"predict": 0, "coaccess": 0, "neighbour": 0, "warmup": 0}
 
@@ -159,6 +179,8 @@ class Prefetcher:
             s.paired[other] = o.paired[session] = now
             s.neighbours[other] = s.neighbours.get(other, 0.0) + 1.0
             o.neighbours[session] = o.neighbours.get(session, 0.0) + 1.0
+            s.top = max(s.top, s.neighbours[other])
+            o.top = max(o.top, o.neighbours[session])
             for node in (s, o):
                 if len(node.neighbours) > 16:
                     weakest = min(node.neighbours, key=node.neighbours.__getitem__)
@@ -190,7 +212,10 @@ class Prefetcher:
         it already); None when no session has a steady beat."""
         with self._lock:
             self._drop_stale()
-            return self._due[0][0] if self._due else None
+            times = [e[0] for e in self._entered.values() if not self._stale(e)]
+            if self._due:
+                times.append(self._due[0][0])
+            return min(times) if times else None
 
     def _drop_stale(self) -> None:
         """Caller holds the lock: heap entries of sessions used since (or forgotten) go."""
@@ -205,47 +230,63 @@ class Prefetcher:
         s = self._sessions.get(e[1])
         return s is None or s.last_t != e[2]
 
-    def wants(self, now: float) -> dict[BlockKey, Want]:
-        """Blocks to raise this round: predicted sessions -> hot, co-access neighbours -> warm.
+    def wishes(self, now: float) -> list[Wish]:
+        """Blocks to raise this round, a group per session: predicted sessions -> hot (their
+        last request), then co-access neighbours -> warm (the last `coaccess_blocks` of
+        theirs). A session appears once; where groups share blocks, the first one's wish holds.
 
         Looks only at the sessions due within the horizon (a heap) and those active within
         the co-access window (the most recently used end of the session order)."""
-        out: dict[BlockKey, Want] = {}
+        out: list[Wish] = []
+        named: set[str] = set()
         horizon = self.lead_s + self.interval_s
         with self._lock:
             self._drop_stale()
-            keep = []
+            entered = self._entered
             while self._due and self._due[0][0] <= now:
                 e = heapq.heappop(self._due)
+                if not self._stale(e):
+                    entered[e[1]] = e
+            for e in sorted(entered.values()):
                 s = self._sessions.get(e[1])
                 if s is None or s.interval is None or s.last_t != e[2]:
+                    del entered[e[1]]
                     continue
                 due = s.last_t + s.interval
                 if due < now - s.interval:
+                    del entered[e[1]]
                     continue  # long overdue: a missed beat is not a pattern
-                keep.append(e)
-                if now + horizon >= due:
-                    out.update(dict.fromkeys(s.last_keys, _PREDICT))
+                if now + horizon >= due and e[1] not in named and s.last_keys:
+                    named.add(e[1])
+                    out.append(Wish(e[1], s.last_keys, _PREDICT))
                     self.counts["predict"] += 1
-            for e in keep:
-                heapq.heappush(self._due, e)
             active: list[_Session] = []
             for s in reversed(self._sessions.values()):
                 if now - s.last_t > self.interval_s + self.coaccess_window_s:
                     break
                 active.append(s)
             for s in active:
+                if s.top < self.coaccess_min_weight:
+                    continue  # no neighbour met often enough yet
                 for other, w in s.neighbours.items():
-                    if w < self.coaccess_min_weight:
+                    if w < self.coaccess_min_weight or other in named:
                         continue
                     o = self._sessions.get(other)
                     # association, not coincidence: together in most episodes of the rarer one
                     if o is None or w < self.coaccess_min_share * min(s.episodes, o.episodes):
                         continue
-                    fresh = [k for k in o.last_keys[-self.coaccess_blocks:] if k not in out]
-                    if fresh:
-                        out.update(dict.fromkeys(fresh, _COACCESS))
+                    if o.last_keys:
+                        named.add(other)
+                        out.append(Wish(other, o.last_keys, _COACCESS, self.coaccess_blocks))
                         self.counts["coaccess"] += 1
+        return out
+
+    def wants(self, now: float) -> dict[BlockKey, Want]:
+        """`wishes` as one mapping, block -> its wish (the first group's, where they share)."""
+        out: dict[BlockKey, Want] = {}
+        for w in self.wishes(now):
+            for k in w.wished:
+                out.setdefault(k, w.want)
         return out
 
     def take_urgent(self) -> list[UrgentPrefetch]:

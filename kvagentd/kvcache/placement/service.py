@@ -29,7 +29,7 @@ from ..base import BlockKey, Tier
 from .base import CODE_OF, Action, Capacities, Plan, PlacementStore
 from .feed import Access, AccessFeed
 from .heat import HeatMap
-from .gather import Gatherer
+from .gather import Gatherer, WishRows
 from .policy import PlacementPolicy, PolicyParams, make_policy
 from .prefetch import Prefetcher, UrgentPrefetch
 from .stats import AccessStats
@@ -124,6 +124,7 @@ class PlacementService:
         self.trace = TraceRecorder(options.trace_capacity, block_size=block_size)
         self.prefetcher = Prefetcher(lead_s=options.prefetch_lead_s,
                                      interval_s=options.interval_s)
+        self._wish_rows = WishRows()  # the rows of the prefetcher's wishes, across rounds
         self.policy: PlacementPolicy = make_policy(options.policy, params_of(options))
         self.heat: HeatMap | None = self._heat_for(self.policy, None)
         self._rng = np.random.default_rng(seed)
@@ -258,7 +259,8 @@ class PlacementService:
             accessed = self.stats.accesses - self._accesses_seen
             self._accesses_seen = self.stats.accesses
             gather = Gatherer(self.store, self.stats, self.policy, self.prefetcher, self._rng,
-                              self._caps if self._caps is not None else self.capacities())
+                              self._caps if self._caps is not None else self.capacities(),
+                              self._wish_rows)
             if gather.roomy():  # nothing is short of room and nothing rises: nothing to decide
                 plan = Plan((), self.policy.name)
             else:

@@ -101,6 +101,7 @@ class AccessStats:
         self.base = np.zeros(cap, dtype=np.int32)  # uses of its session's history before it
         self.tier = np.zeros(cap, dtype=np.int8)
         self.raised = np.zeros(cap, dtype=np.int8)  # tier a prefetch raised it to, until used
+        self.gen = np.zeros(cap, dtype=np.int32)  # bumped when the row is freed (for memos)
         self._scratch = np.zeros(cap, dtype=np.int64)  # for `distinct` / `common`
         self.keys = np.full(cap, None, dtype=object)  # row -> its block key (None: free)
         self.index: dict[BlockKey, int] = {}
@@ -170,7 +171,7 @@ class AccessStats:
             self._new_rows(list(dict.fromkeys(mk)))
             rm = np.fromiter(map(self.index.__getitem__, mk), np.int64, len(mk))
             rows[miss] = rm
-            fresh[miss[self._firsts(rm)]] = True
+            fresh[miss[self.firsts(rm)]] = True
         # accesses grouped by row, in access order within a group
         order = np.lexsort((np.arange(n), rows))
         rs, ts = rows[order], t[order]
@@ -305,7 +306,7 @@ class AccessStats:
         self.live[rows] = True
         return rows
 
-    def _firsts(self, rows: np.ndarray) -> np.ndarray:
+    def firsts(self, rows: np.ndarray) -> np.ndarray:
         """Positions of the first occurrence of each row in `rows`, in O(len(rows))."""
         idx = np.arange(rows.size)
         self._scratch[rows[::-1]] = idx[::-1]
@@ -315,7 +316,7 @@ class AccessStats:
         old = self.live.shape[0]
         new = old * 2
         for name in ("live", "last_t", "last_tick", "count", "gap_mu", "gap_var", "gaps", "cat",
-                     "owner", "base", "tier", "raised", "_scratch"):
+                     "owner", "base", "tier", "raised", "gen", "_scratch"):
             a = getattr(self, name)
             b = np.zeros(new, dtype=a.dtype)
             b[:old] = a
@@ -376,6 +377,7 @@ class AccessStats:
                 self.raised[r] = NONE
             self.keys[r] = None
             self.live[r] = False
+            self.gen[r] += 1
             self.tier[r] = NONE
             self._free.append(r)
 
@@ -461,6 +463,14 @@ class AccessStats:
         idx = np.arange(rows.size)
         self._scratch[rows] = idx
         out: np.ndarray = rows[self._scratch[rows] == idx]
+        return out
+
+    def positions(self, rows: np.ndarray, among: np.ndarray) -> np.ndarray:
+        """For each of `rows`, its index in the distinct rows `among` (-1: not there), in
+        O(len(rows) + len(among))."""
+        self._scratch[rows] = -1
+        self._scratch[among] = np.arange(among.size)
+        out: np.ndarray = self._scratch[rows]
         return out
 
     def common(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
