@@ -100,3 +100,13 @@ def test_rows_read_in_buckets_of_their_tick_count_have_the_exact_heat():
     counts = {len(v) for v in uses.values()}
     assert min(counts) == 1 and max(counts) > w  # every bucket is exercised
     assert h.heat(probe, tick).tolist() == pytest.approx(want, rel=1e-5)
+
+
+def test_a_freed_row_reused_reads_only_its_new_ticks():
+    h = HeatMap(8, capacity=16)
+    rows = np.array([3] * 6, dtype=np.int64)
+    h.record(rows, np.arange(6, dtype=np.int64))
+    h.clear(np.array([3]))
+    assert h.heat(np.array([3]), 10).tolist() == [0.0]
+    h.record(np.array([3]), np.array([8]))
+    assert h.heat(np.array([3]), 10).tolist() == [np.float32(0.5)]  # 1 / (10 - 8), no more

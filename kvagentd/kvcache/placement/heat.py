@@ -2,10 +2,12 @@
 
 Ticks count inference events (one recorded event = one tick), not wall time. Storage is dense
 and vectorized over the rows of placement's `AccessStats`: row `i` of a `(rows, W)` float32
-array is the ring buffer of block `i`'s last W access ticks (empty entries are -inf, so they
-contribute 1/inf = 0). A row's ring fills from slot 0 and wraps only once it holds W ticks, so
-the heat of a row with n < W ticks reads only its first n slots: rows are read in buckets of
-how many ticks they hold (most blocks are used a few times), exactly. Recording an event is
+array is the ring buffer of block `i`'s last W access ticks. A row's ring fills from slot 0 and
+wraps only once it holds W ticks, so the heat of a row with n < W ticks reads only its first n
+slots: rows are read in buckets of how many ticks they hold (most blocks are used a few times),
+and the slots of a bucket's width beyond a row's n are masked, whatever they hold. So the
+array grows as zeros (pages the system maps only once a row is written) and a freed row is
+forgotten by its count alone. Recording an event is
 O(k) for k accesses and computing the heat of k rows at most O(k x W); no operation looks at
 every row. Ticks are stored relative to a base that moves forward before
 float32 loses integer precision (2^24). Kept only by the policies that rank by heat.
@@ -27,7 +29,8 @@ class HeatMap:
             raise ValueError("window must be >= 1")
         self.window = window
         cap = max(16, capacity)
-        self._ticks = np.full((cap, window), -np.inf, dtype=np.float32)
+        self._ticks = np.zeros((cap, window), dtype=np.float32)
+        self._slots = np.arange(window, dtype=np.int32)  # slot indices, for masking
         self._pos = np.zeros(cap, dtype=np.int32)  # next ring slot per row
         self._n = np.zeros(cap, dtype=np.int32)  # ticks held per row (<= window)
         self._base = 0  # absolute tick of relative 0
@@ -42,7 +45,7 @@ class HeatMap:
         if rows <= old:
             return
         new = max(rows, 2 * old)
-        ticks = np.full((new, self.window), -np.inf, dtype=np.float32)
+        ticks = np.zeros((new, self.window), dtype=np.float32)
         ticks[:old] = self._ticks
         self._ticks = ticks
         self._pos = np.concatenate([self._pos, np.zeros(new - old, np.int32)])
@@ -75,7 +78,6 @@ class HeatMap:
     def clear(self, rows: np.ndarray) -> None:
         """Forget the history of `rows` (their blocks are gone; the rows will be reused)."""
         rows = rows[rows < self.capacity]
-        self._ticks[rows] = -np.inf
         self._pos[rows] = 0
         self._n[rows] = 0
 
@@ -90,12 +92,14 @@ class HeatMap:
         held = self._n[rows[idx]]
         lo = 0
         for width in sorted({min(b, self.window) for b in (*_BUCKETS, self.window)}):
-            sel = idx[(held > lo) & (held <= width)]  # held <= window always
+            pick = (held > lo) & (held <= width)  # held <= window always
             lo = width
-            if sel.size:
+            if pick.any():
+                sel = idx[pick]
                 b = now32 - self._ticks[rows[sel], :width]
                 np.maximum(b, 1.0, out=b)
                 np.reciprocal(b, out=b)
+                b[self._slots[:width] >= held[pick][:, None]] = 0.0  # slots not written yet
                 out[sel] = b.sum(axis=1)
         return out
 
