@@ -9,8 +9,9 @@ import numpy as np
 from prometheus_client import generate_latest
 
 from kvagentd.kvcache.base import Tier
-from kvagentd.kvcache.placement.base import CODE_OF, Capacities, Reason
-from kvagentd.kvcache.placement.prefetch import Prefetcher
+from kvagentd.kvcache.placement.base import CODE_OF, Capacities, Reason, Want
+from kvagentd.kvcache.placement.gather import Gatherer, WishRows
+from kvagentd.kvcache.placement.prefetch import Prefetcher, Wish
 from kvagentd.kvcache.placement.summary import SessionSummary
 
 from .sim_env import Env, key
@@ -89,6 +90,7 @@ def test_service_turns_a_cold_read_into_a_background_prefetch():
     env.svc.stats.moved(env.svc.stats.rows_of([key(i) for i in blocks]), CODE_OF[Tier.COLD])
     env.use(5.0, blocks[:2])  # read from cold
     assert env.svc.flush_prefetch() == 4  # neighbour_blocks = 8, four blocks follow
+    env.svc.ingest()  # recorded in stats and trace with the next round's batch
     assert env.svc.trace.events()[-1].tier is Tier.COLD
     assert env.store.pending == set(blocks[2:])
     env.clock.t = 5.2
@@ -228,3 +230,51 @@ def test_a_coaccess_wish_names_the_neighbours_last_blocks():
     (w,) = p.wishes(t + 0.5)
     assert (w.session, w.want.reason, w.wished) == ("b", Reason.COACCESS, (b[-1],))
     assert p.wants(t + 0.5) == {b[-1]: w.want}
+
+
+class _Wishing:
+    """A prefetcher stand-in that wishes what it is told."""
+
+    def __init__(self) -> None:
+        self.list: list[Wish] = []
+
+    def wishes(self, now: float) -> list[Wish]:
+        return self.list
+
+
+def test_a_round_with_room_looks_at_wishes_only_when_they_change_or_wait():
+    env = Env(Capacities(8, 8), 8, "heat+prefetch")
+    env.use(0.0, [0, 1, 2])
+    env.svc.ingest()
+    env.store.demote([key(2)], Tier.WARM)
+    svc, wishing, rows = env.svc, _Wishing(), WishRows()
+
+    def gather() -> Gatherer:
+        return Gatherer(env.store, svc.stats, svc.policy, wishing,  # type: ignore[arg-type]
+                        np.random.default_rng(0), svc.capacities(), rows)
+
+    assert gather().roomy(1.0)  # room, and nothing wished
+    wishing.list = [Wish("s", (key(0), key(1)), Want(Tier.HOT, Reason.PREDICT))]
+    g = gather()
+    assert not g.roomy(1.0)  # new wishes: looked at once ...
+    assert len(g.view(1.0).risers) == 0  # ... and met (both in hot)
+    assert gather().roomy(2.0)  # the same wishes, met: nothing to look at
+    wishing.list = [Wish("s", (key(0), key(2)), Want(Tier.HOT, Reason.PREDICT))]
+    g = gather()
+    assert not g.roomy(3.0)
+    view = g.view(3.0)
+    assert view.risers.rows.tolist() == svc.stats.rows_of([key(2)]).tolist()
+    assert not gather().roomy(4.0)  # a wish left to raise is looked at every round
+
+
+def test_the_prefetcher_sees_accesses_at_once_and_stats_record_them_with_the_round():
+    env = Env(Capacities(8, 8), 8, "heat+prefetch", sessions=("r",))
+    env.use(0.0, [0, 1])
+    env.svc.flush_prefetch()
+    assert env.svc.prefetcher.stats()["sessions"] == 1
+    assert len(env.svc.stats) == 0 and env.svc.status()["feed"]["pending"] == 1
+    env.clock.t = 1.0
+    env.svc.run_round()
+    assert len(env.svc.stats) == 2 and env.svc.status()["feed"]["pending"] == 0
+    assert env.svc.prefetcher.stats()["sessions"] == 1  # observed once
+    assert env.svc.prefetcher._sessions["r"].accesses == 1

@@ -28,6 +28,8 @@ class WishRows:
     def __init__(self) -> None:
         self._memo: dict[str, tuple[tuple[BlockKey, ...], int, np.ndarray, np.ndarray]] = {}
         self._last: tuple[list[Wish], Wanted, np.ndarray] | None = None  # a round's answer
+        # the wishes as of the last round that looked, if none of them was left to raise
+        self.settled: Wanted | None = NO_WANTS
 
     def __call__(self, stats: AccessStats, wishes: Sequence[Wish]) -> Wanted:
         if not wishes:
@@ -73,13 +75,17 @@ class Gatherer:
         self.store, self.stats, self.policy = store, stats, policy
         self.prefetcher, self.rng, self.caps = prefetcher, rng, caps
         self.wish_rows = wish_rows if wish_rows is not None else WishRows()
+        self._wanted: Wanted | None = None
 
-    def roomy(self) -> bool:
-        """True when hot and warm have their head-room and no prefetch wishes wait to be
-        looked at: the common round, decided with two questions to the store. (`heat`
-        promotes its risers in the rounds that make room, into the room they make.)"""
+    def roomy(self, now: float) -> bool:
+        """True when hot and warm have their head-room and no prefetch wish waits to be looked
+        at (the wishes are those of a round that found none of them left to raise): the common
+        round, decided with a few questions to the store. (`heat` promotes its risers in the
+        rounds that make room, into the room they make.)"""
         if self.policy.uses_prefetch:
-            return False
+            self._wanted = self.wish_rows(self.stats, self.prefetcher.wishes(now))
+            if self._wanted is not self.wish_rows.settled:
+                return False
         caps = self.caps
         p = self.policy.params
         return (self.store.pool(Tier.HOT).num_free >= p.headroom(caps.hot)
@@ -97,10 +103,12 @@ class Gatherer:
         if self.policy.uses_heat:
             rows = self.stats.sample(CODE_OF[Tier.WARM], p.sample, self.rng, draws=4 * p.sample)
             if self.policy.uses_prefetch:
-                wanted = self.wish_rows(self.stats, self.prefetcher.wishes(now))
+                wanted = self._wanted if self._wanted is not None \
+                    else self.wish_rows(self.stats, self.prefetcher.wishes(now))
             risers = self._risers(np.concatenate([rows, wanted.rows]))
             at = wanted.at(self.stats, risers.rows)
             up = at >= 0
+            self.wish_rows.settled = None if up.any() else wanted
             code = wanted.tier[at[up]]
             code = code[code < risers.tier[up]]  # wished above where it is
             for t in POOL_TIERS:

@@ -138,6 +138,8 @@ class PlacementService:
         self.decision_s = 0.0  # total planning CPU time (gathering candidates + policy)
         self.decided_accesses = 0  # block accesses those rounds covered
         self._accesses_seen = 0
+        self._early: list[Access] = []  # drained and seen by the prefetcher, not yet recorded
+        self._early_keys: set[BlockKey] = set()  # the blocks they used
         self._lock = threading.RLock()  # one owner of stats, heat and prefetcher at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -175,19 +177,22 @@ class PlacementService:
     # ------------------------------------------------------------------ access path
     def ingest(self) -> int:
         """Take every access the feed holds into stats, heat, trace and prefetcher, as one
-        batch; returns how many events. A batch that fails is logged and counted."""
+        batch (with those the prefetcher has already seen); returns how many events. A batch
+        that fails is logged and counted."""
         with self._lock:
-            events = self.feed.drain()
+            early, self._early, self._early_keys = self._early, [], set()
+            events = early + self.feed.drain()
             if not events:
                 return 0
             try:
-                self._ingest(events)
+                self._ingest(events, seen=len(early))
             except Exception:  # noqa: BLE001 - bookkeeping must not stop placement
                 self.listener_errors += 1
                 log.exception("placement.ingest_failed", events=len(events))
             return len(events)
 
-    def _ingest(self, events: list[Access]) -> None:
+    def _ingest(self, events: list[Access], seen: int = 0) -> None:
+        """Record `events`; the prefetcher observes those after the first `seen`."""
         rec = self.stats.record(events)
         if self.heat is not None:
             self.heat.record(rec.rows, rec.ticks)
@@ -198,20 +203,45 @@ class PlacementService:
             if self.trace.capacity > 0:
                 self.trace.record(int(rec.ticks[off[i]]) if off[i + 1] > off[i] else 0,
                                   ev.time, ev.session, ev.keys, tiers)
-            if self.policy.uses_prefetch:
+            if self.policy.uses_prefetch and i >= seen:
                 was_cold = [ev.keys[j] for j in np.flatnonzero(tiers == cold).tolist()]
                 self.prefetcher.observe(ev.session, ev.keys, ev.time, was_cold)
 
     def flush_prefetch(self) -> int:
-        """Ingest pending accesses, then issue queued neighbour prefetches into warm through
-        the store's background queue (only under a prefetching policy; others drop them, so
-        policies compare cleanly). Returns how many blocks were queued."""
+        """Let the prefetcher see pending accesses, then issue queued neighbour prefetches into
+        warm through the store's background queue (only under a prefetching policy; others
+        ingest and drop them, so policies compare cleanly). Returns how many blocks were
+        queued. The accesses are recorded in stats and heat by the next `ingest` (a round's),
+        as one batch: what a neighbour prefetch needs is the prefetcher's, and recording
+        costs per batch more than per access."""
         with self._lock:
-            self.ingest()
-            urgent = self.prefetcher.take_urgent()
             if not self.policy.uses_prefetch:
+                self.ingest()
+                self.prefetcher.take_urgent()
                 return 0
-            return self._prefetch(urgent)
+            self._observe_early()
+            return self._prefetch(self.prefetcher.take_urgent())
+
+    def _observe_early(self) -> None:
+        """The prefetcher observes the feed's events now; stats and heat record them later.
+        A block is taken as read from cold when placement believes it cold and no event
+        waiting to be recorded used it."""
+        if len(self._early) >= self.feed.capacity:  # rounds are not running: record now
+            self.ingest()
+        events = self.feed.drain()
+        cold = CODE_OF[Tier.COLD]
+        try:
+            for ev in events:
+                rows = self.stats.rows_of(ev.keys)
+                tiers = self.stats.tier[np.maximum(rows, 0)]
+                was_cold = [k for k, r, t in zip(ev.keys, rows.tolist(), tiers.tolist())
+                            if r >= 0 and t == cold and k not in self._early_keys]
+                self.prefetcher.observe(ev.session, ev.keys, ev.time, was_cold)
+                self._early_keys.update(ev.keys)
+        except Exception:  # noqa: BLE001 - bookkeeping must not stop placement
+            self.listener_errors += 1
+            log.exception("placement.observe_failed", events=len(events))
+        self._early.extend(events)
 
     def _prefetch(self, urgent: Sequence[UrgentPrefetch]) -> int:
         n = 0
@@ -261,7 +291,7 @@ class PlacementService:
             gather = Gatherer(self.store, self.stats, self.policy, self.prefetcher, self._rng,
                               self._caps if self._caps is not None else self.capacities(),
                               self._wish_rows)
-            if gather.roomy():  # nothing is short of room and nothing rises: nothing to decide
+            if gather.roomy(now):  # nothing is short of room and nothing rises: nothing to decide
                 plan = Plan((), self.policy.name)
             else:
                 view = gather.view(now)
@@ -345,6 +375,7 @@ class PlacementService:
     def save_summary(self) -> None:
         if self.summary_path is None:
             return
+        self.ingest()  # the sessions of accesses the prefetcher has seen are recorded first
         try:
             save_summary(self.summary_path, self.stats.sessions,
                          max_sessions=max(32, 4 * self.config.warmup_sessions))
@@ -454,7 +485,7 @@ class PlacementService:
                 "warmed_up_blocks": self.warmed_up,
                 "blocks": len(self.stats), "sessions": len(self.stats.sessions),
                 "feed": {"recorded": self.feed.recorded, "dropped": self.feed.dropped,
-                         "pending": len(self.feed)},
+                         "pending": len(self.feed) + len(self._early)},
                 "prefetch": self.prefetcher.stats() if self.policy.uses_prefetch else None,
                 "prefetched_blocks": self.stats.prefetch_outcomes(),
                 "trace": {"capacity": self.trace.capacity, "events": len(self.trace),
