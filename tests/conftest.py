@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
+import structlog
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults_after_each_test() -> Iterator[None]:
+    """A test that configures structlog (the daemon's own set-up, or a quiet ReturnLogger)
+    does not leave it to the next: after a stdlib set-up, a test that only swaps the logger
+    factory would run the stdlib processors over a ReturnLogger and fail."""
+    yield
+    structlog.reset_defaults()
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001 (pytest hook)
