@@ -267,14 +267,23 @@ def test_a_round_with_room_looks_at_wishes_only_when_they_change_or_wait():
     assert not gather().roomy(4.0)  # a wish left to raise is looked at every round
 
 
-def test_the_prefetcher_sees_accesses_at_once_and_stats_record_them_with_the_round():
-    env = Env(Capacities(8, 8), 8, "heat+prefetch", sessions=("r",))
+def test_the_prefetcher_sees_accesses_at_once_and_stats_record_them_when_a_round_decides(
+        tmp_path):
+    env = Env(Capacities(8, 8), 8, "heat+prefetch", sessions=("r",),
+              summary_path=tmp_path / "summary.json")
     env.use(0.0, [0, 1])
     env.svc.flush_prefetch()
     assert env.svc.prefetcher.stats()["sessions"] == 1
     assert len(env.svc.stats) == 0 and env.svc.status()["feed"]["pending"] == 1
+    env.use(0.5, [2])
     env.clock.t = 1.0
+    env.svc.run_round()  # room, nothing wished: nothing to decide, nothing recorded yet
+    assert len(env.svc.stats) == 0 and env.svc.status()["feed"]["pending"] == 2
+    env.svc.save_summary()  # what is saved is recorded first
+    assert len(env.svc.stats) == 3 and env.svc.status()["feed"]["pending"] == 0
+    assert env.svc.prefetcher._sessions["r"].accesses == 2  # each access observed once
+    env.use(2.0, [3, 4, 5, 6, 7])  # hot is short of its head-room: the round decides
+    env.clock.t = 2.5
     env.svc.run_round()
-    assert len(env.svc.stats) == 2 and env.svc.status()["feed"]["pending"] == 0
-    assert env.svc.prefetcher.stats()["sessions"] == 1  # observed once
-    assert env.svc.prefetcher._sessions["r"].accesses == 1
+    assert len(env.svc.stats) == 8
+    assert env.svc.last_round.accessed == 8  # every access since the last round's count

@@ -31,6 +31,15 @@ class WishRows:
         # the wishes as of the last round that looked, if none of them was left to raise
         self.settled: Wanted | None = NO_WANTS
 
+    def still(self, stats: AccessStats, wishes: Sequence[Wish]) -> bool:
+        """`wishes` are those of the last round that looked and found none left to raise,
+        naming the same rows (no key is looked up: the accesses since need not be recorded)."""
+        if not wishes:
+            return self.settled is NO_WANTS
+        last = self._last
+        return (last is not None and self.settled is last[1] and _same(last[0], wishes)
+                and bool((stats.gen[last[1].rows] == last[2]).all()))
+
     def __call__(self, stats: AccessStats, wishes: Sequence[Wish]) -> Wanted:
         if not wishes:
             self._memo, self._last = {}, None
@@ -75,7 +84,7 @@ class Gatherer:
         self.store, self.stats, self.policy = store, stats, policy
         self.prefetcher, self.rng, self.caps = prefetcher, rng, caps
         self.wish_rows = wish_rows if wish_rows is not None else WishRows()
-        self._wanted: Wanted | None = None
+        self._wishes: list[Wish] | None = None  # this round's, once asked for
 
     def roomy(self, now: float) -> bool:
         """True when hot and warm have their head-room and no prefetch wish waits to be looked
@@ -83,8 +92,8 @@ class Gatherer:
         round, decided with a few questions to the store. (`heat` promotes its risers in the
         rounds that make room, into the room they make.)"""
         if self.policy.uses_prefetch:
-            self._wanted = self.wish_rows(self.stats, self.prefetcher.wishes(now))
-            if self._wanted is not self.wish_rows.settled:
+            self._wishes = self.prefetcher.wishes(now)
+            if not self.wish_rows.still(self.stats, self._wishes):
                 return False
         caps = self.caps
         p = self.policy.params
@@ -103,8 +112,9 @@ class Gatherer:
         if self.policy.uses_heat:
             rows = self.stats.sample(CODE_OF[Tier.WARM], p.sample, self.rng, draws=4 * p.sample)
             if self.policy.uses_prefetch:
-                wanted = self._wanted if self._wanted is not None \
-                    else self.wish_rows(self.stats, self.prefetcher.wishes(now))
+                if self._wishes is None:
+                    self._wishes = self.prefetcher.wishes(now)
+                wanted = self.wish_rows(self.stats, self._wishes)
             risers = self._risers(np.concatenate([rows, wanted.rows]))
             at = wanted.at(self.stats, risers.rows)
             up = at >= 0

@@ -281,23 +281,34 @@ class PlacementService:
 
     # ------------------------------------------------------------------ rounds
     def run_round(self) -> Plan:
-        """One round: ingest -> gather -> plan -> apply. Raises on failure (see `_safe`)."""
+        """One round: ingest -> gather -> plan -> apply. Raises on failure (see `_safe`).
+        Under a prefetching policy the prefetcher observes the accesses first and stats and
+        heat record them only when the round decides (or the summary is saved): a round with
+        room and its wishes met needs neither."""
         with self._lock:
-            self.ingest()
+            prefetching = self.policy.uses_prefetch
+            if prefetching:  # the prefetcher sees every access; stats wait for a deciding round
+                self._observe_early()
+            else:
+                self.ingest()
             now = self.clock()
             t0 = time.thread_time()
-            accessed = self.stats.accesses - self._accesses_seen
-            self._accesses_seen = self.stats.accesses
             gather = Gatherer(self.store, self.stats, self.policy, self.prefetcher, self._rng,
                               self._caps if self._caps is not None else self.capacities(),
                               self._wish_rows)
             if gather.roomy(now):  # nothing is short of room and nothing rises: nothing to decide
                 plan = Plan((), self.policy.name)
             else:
+                if prefetching:  # recorded as one batch, outside the decision's time
+                    t_in = time.thread_time()
+                    self.ingest()
+                    t0 += time.thread_time() - t_in
                 view = gather.view(now)
                 plan = self.policy.plan(view, self.stats, self.heat) \
                     if view.victims or self.policy.uses_heat else Plan((), self.policy.name)
             t1 = time.thread_time()
+            accessed = self.stats.accesses - self._accesses_seen
+            self._accesses_seen = self.stats.accesses
             applied = self.apply(plan)
             left = [b.rows for b in plan.batches if b.src is Tier.HOT and b.rows is not None]
             if left:  # how long blocks stay in hot (the reuse policy's `hold_s`)
