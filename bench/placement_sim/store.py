@@ -77,8 +77,10 @@ class SimStore:
         self.keys = keys
         self.id_of: dict[BlockKey, int] = {k: i for i, k in enumerate(keys)}
         # keys made by `RequestTrace.block_keys` spell their id: read it, no dict lookup
-        self._spelled = all(len(k) == 16 and int.from_bytes(k, "big") == i
-                            for i, k in enumerate(keys))
+        spelled = np.zeros((len(keys), 2), dtype=">u8")
+        spelled[:, 1] = np.arange(len(keys))
+        self._spelled = (all(map((16).__eq__, map(len, keys)))
+                         and b"".join(keys) == spelled.tobytes())
         self.session_names = list(session_names)
         self.tier = np.full(n_blocks, NONE, dtype=np.int8)
         self.last_access = np.zeros(n_blocks, dtype=np.float64)
