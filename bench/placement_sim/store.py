@@ -107,7 +107,7 @@ class SimStore:
     def ids_of(self, keys: Sequence[BlockKey]) -> np.ndarray:
         """The id of each key (-1: not a block of this store)."""
         n = len(keys)
-        if self._spelled:
+        if self._spelled and n >= 128:  # below that, the dict's lookups cost less
             raw = b"".join(keys)
             if len(raw) == 16 * n:  # every key 16 bytes: the two halves of a big-endian id
                 half = np.frombuffer(raw, dtype=">u8").reshape(n, 2)

@@ -293,6 +293,8 @@ def test_the_sim_store_reads_ids_from_its_own_keys_and_looks_up_others():
     spelled = SimStore(caps, 10, keys, clock=lambda: 0.0)
     odd = [(10).to_bytes(16, "big"), (1 << 64 | 3).to_bytes(16, "big")]  # no block's
     assert spelled.ids_of([keys[7], *odd, keys[0]]).tolist() == [7, -1, -1, 0]
+    many = [keys[7], *odd, keys[0]] * 40  # long enough to be read, not looked up
+    assert spelled.ids_of(many).tolist() == [7, -1, -1, 0] * 40
     assert spelled.ids_of([keys[2], b"short"]).tolist() == [2, -1]
     assert spelled.ids_of([]).size == 0
     named = [f"k{i}".encode() for i in range(10)]
