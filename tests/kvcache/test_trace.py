@@ -154,6 +154,25 @@ def test_control_routes_dump_stream_and_status(tmp_path):
         _call(router2, "GET", "/v1/placement")
 
 
+def test_a_dump_under_heat_prefetch_holds_the_accesses_the_prefetcher_saw_first(tmp_path):
+    import types
+
+    from kvagentd.control.handlers import placement as handler
+    from kvagentd.control.router import Router
+    from kvagentd.kvcache.placement.base import Capacities
+
+    env = Env(Capacities(4, 4), 4, "heat+prefetch", sessions=("a",))
+    env.use(5.0, [1, 2])
+    env.svc.flush_prefetch()  # seen by the prefetcher; stats and trace record them later
+    assert len(env.svc.trace) == 0
+    config = types.SimpleNamespace(daemon=types.SimpleNamespace(state_dir=tmp_path))
+    router = Router()
+    handler.register(router, types.SimpleNamespace(placement=env.svc, config=config))
+    _, out = _call(router, "POST", "/v1/trace/dump", b'{"name": "t.jsonl"}')
+    assert out["events"] == 2
+    assert [e.key for e in load_trace(tmp_path / "dumps/t.jsonl")] == [k(1), k(2)]
+
+
 def test_kvctl_trace_commands_register():
     import typer
     from typer.testing import CliRunner

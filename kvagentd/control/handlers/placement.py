@@ -51,7 +51,9 @@ def register(router: Router, daemon: Any) -> None:
                 raise BadRequest(str(exc)) from None
             if fmt is not None and not name.endswith("." + fmt):
                 raise BadRequest(f"'name' {name!r} does not end in .{fmt}")
-        trace = placement().trace
+        svc = placement()
+        svc.ingest()  # accesses the prefetcher has seen and the trace not yet (heat+prefetch)
+        trace = svc.trace
         events = trace.events()
         try:
             path = dumps.write(name, lambda f: write_trace_to(
@@ -70,6 +72,7 @@ def register(router: Router, daemon: Any) -> None:
         """`?format=summary` (default): counts; `?format=ndjson`: the events as JSON lines."""
         fmt = req.query.get("format", "summary")
         p = placement()
+        p.ingest()  # accesses the prefetcher has seen and the trace not yet (heat+prefetch)
         if fmt == "summary":
             return p.trace.stats()
         if fmt == "ndjson":
