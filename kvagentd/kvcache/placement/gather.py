@@ -4,9 +4,9 @@ few of the store's least recently used ones), never every stored block."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from collections.abc import Sequence
+
+import numpy as np
 
 from ..base import BlockKey, Tier
 from .base import CODE_OF, TIER_OF, Capacities, PlacementStore

@@ -7,10 +7,10 @@ wraps only once it holds W ticks, so the heat of a row with n < W ticks reads on
 slots: rows are read in buckets of how many ticks they hold (most blocks are used a few times),
 and the slots of a bucket's width beyond a row's n are masked, whatever they hold. So the
 array grows as zeros (pages the system maps only once a row is written) and a freed row is
-forgotten by its count alone. Recording an event is
-O(k) for k accesses and computing the heat of k rows at most O(k x W); no operation looks at
-every row. Ticks are stored relative to a base that moves forward before
-float32 loses integer precision (2^24). Kept only by the policies that rank by heat.
+forgotten by its count alone. Recording an event is O(k) for k accesses and computing the heat
+of k rows at most O(k x W); no operation looks at every row. Ticks are stored relative to a
+base that moves forward before float32 loses integer precision (2^24). Kept only by the
+policies that rank by heat.
 """
 
 from __future__ import annotations

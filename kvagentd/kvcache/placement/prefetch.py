@@ -235,8 +235,9 @@ class Prefetcher:
         last request), then co-access neighbours -> warm (the last `coaccess_blocks` of
         theirs). A session appears once; where groups share blocks, the first one's wish holds.
 
-        Looks only at the sessions due within the horizon (a heap) and those active within
-        the co-access window (the most recently used end of the session order)."""
+        Looks only at the sessions due within the horizon (taken from a heap as their time
+        comes, kept until used again or overdue) and those active within the co-access window
+        (the most recently used end of the session order)."""
         out: list[Wish] = []
         named: set[str] = set()
         horizon = self.lead_s + self.interval_s

@@ -211,9 +211,9 @@ class PlacementService:
         """Let the prefetcher see pending accesses, then issue queued neighbour prefetches into
         warm through the store's background queue (only under a prefetching policy; others
         ingest and drop them, so policies compare cleanly). Returns how many blocks were
-        queued. The accesses are recorded in stats and heat by the next `ingest` (a round's),
-        as one batch: what a neighbour prefetch needs is the prefetcher's, and recording
-        costs per batch more than per access."""
+        queued. The accesses are recorded in stats and heat later, as one batch (by the next
+        round that decides, the summary's save or a trace read): what a neighbour prefetch
+        needs is the prefetcher's, and recording costs per batch more than per access."""
         with self._lock:
             if not self.policy.uses_prefetch:
                 self.ingest()
