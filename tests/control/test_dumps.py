@@ -42,7 +42,8 @@ def box(short_dir: Path) -> Iterator[Box]:
     (short_dir / "state").mkdir()
     trace = TraceRecorder(100)
     trace.record(1, 10.0, "pump-1-1", KEYS)
-    daemon = types.SimpleNamespace(config=cfg, placement=types.SimpleNamespace(trace=trace))
+    placement = types.SimpleNamespace(trace=trace, ingest=lambda: 0)  # nothing pending
+    daemon = types.SimpleNamespace(config=cfg, placement=placement)
     router = Router()
     placement_routes.register(router, daemon)
     server = ControlServer(cfg.control, router)
