@@ -7,15 +7,17 @@ when it
   limit is judged as any text);
 - says the machine is normal, healthy, fine or idle while a fault is diagnosed or the ISO zone
   is C or D;
-- raises an alarm (alert, alarm, danger, fault, defect, damage) while the diagnosis is `none`
-  in zone A or B, or calls a low-severity finding critical, an emergency or a reason to stop;
+- raises an alarm (alert, alarm, danger, fault, defect, damage, failure, malfunction, broken)
+  while the diagnosis is `none` in zone A or B, or calls a low-severity finding critical, an
+  emergency or a reason to stop;
 - names a fault (or its defect line) other than the diagnosed one and the patterns also seen
   in the window (`secondary`);
 - states a number that is not in the evidence the model was given (`evidence`: for a tick,
   the user turns of its session, its first turn's summary included); a number matches when it
   equals one there at the precision it is written with, or
   lies within 2 % of it.
-A phrase preceded by a negation ("no", "not", "without" ... within three words) is not a claim.
+A phrase preceded by a negation ("no", "not", "without", "nothing" ... within three words) is
+not a claim.
 The checks are deliberately literal: they cannot tell a paraphrase that is right from one
 that is wrong, so they only let through text that restates what was measured.
 
@@ -40,7 +42,8 @@ NORMAL_RE = re.compile(
 SEVERE_RE = re.compile(r"\b(critical\w*|emergency|danger\w*|immediate\w*|shut ?down|"
                        r"stop the (?:machine|pump|motor))\b", re.IGNORECASE)
 ALARM_RE = re.compile(r"\b(alert|alarm|danger\w*|critical|fault\w*|defect\w*|damage\w*|"
-                      r"emergency|failure|failing)\b", re.IGNORECASE)
+                      r"emergency|failure|failing|malfunction\w*|broken|breakdown)\b",
+                      re.IGNORECASE)
 FAULT_RES = {
     "outer_race": re.compile(r"outer[- ]?(?:race|ring)|\bbpfo\b", re.IGNORECASE),
     "inner_race": re.compile(r"inner[- ]?(?:race|ring)|\bbpfi\b", re.IGNORECASE),
@@ -51,7 +54,8 @@ FAULT_RES = {
     "misalignment": re.compile(r"misalign\w*", re.IGNORECASE),
     "looseness": re.compile(r"\bloose(?:ness)?\b", re.IGNORECASE),
 }
-NEGATION_RE = re.compile(r"\b(no|not|never|without|nor|isn't|is not|none)\b", re.IGNORECASE)
+NEGATION_RE = re.compile(r"\b(no|not|never|without|nor|isn't|is not|none|nothing)\b",
+                         re.IGNORECASE)
 NUMBER_RE = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?")
 # After a number: a line name ("2xBSF", "BPFI-1x": an order up to 10 with "x") is not a number.
 _LINE_NAME_RE = re.compile(r"x[A-Za-z]|x\b")

@@ -29,6 +29,8 @@ EVIDENCE = diagnosis_text(OUTER)
     ("pump-1 is in a state of emergency", NONE, "emergency"),
     ("Outer race defect: stop the machine immediately.", OUTER, "overstates"),
     ("Alert: outer race defect.", NONE, "outer race"),
+    ("The machine is malfunctioning.", NONE, "malfunctioning"),  # the embedded model, make run
+    ("pump-1 is broken down", NONE, "broken"),
     ("", OUTER, "empty"),
 ])
 def test_contradictions_are_withheld(text, diagnosis, bad):
@@ -41,6 +43,8 @@ def test_contradictions_are_withheld(text, diagnosis, bad):
     ("Outer race damage (BPFO 8.1x, 2xBPFO 5.2x); not normal: plan a bearing change.", OUTER),
     ("No fault: RMS 0.42 mm/s in zone A; no action.", NONE),
     ("Normal operation, no imbalance and no misalignment.", NONE),
+    ("Nothing is broken: RMS 0.42 mm/s in zone A.", NONE),
+    ("Outer race defect: the bearing is malfunctioning, plan a bearing change.", OUTER),
 ])
 def test_restatements_pass(text, diagnosis):
     assert check(text, diagnosis, diagnosis_text(diagnosis)).ok
