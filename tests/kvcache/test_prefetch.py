@@ -90,7 +90,7 @@ def test_service_turns_a_cold_read_into_a_background_prefetch():
     env.svc.stats.moved(env.svc.stats.rows_of([key(i) for i in blocks]), CODE_OF[Tier.COLD])
     env.use(5.0, blocks[:2])  # read from cold
     assert env.svc.flush_prefetch() == 4  # neighbour_blocks = 8, four blocks follow
-    env.svc.ingest()  # recorded in stats and trace with the next round's batch
+    env.svc.ingest()  # recorded in stats and trace by an ingest (a deciding round, a save)
     assert env.svc.trace.events()[-1].tier is Tier.COLD
     assert env.store.pending == set(blocks[2:])
     env.clock.t = 5.2
