@@ -36,17 +36,16 @@ class WishRows:
         naming the same rows (no key is looked up: the accesses since need not be recorded)."""
         if not wishes:
             return self.settled is NO_WANTS
-        last = self._last
-        return (last is not None and self.settled is last[1] and _same(last[0], wishes)
-                and bool((stats.gen[last[1].rows] == last[2]).all()))
+        last = self._repeated(stats, wishes)
+        return last is not None and self.settled is last
 
     def __call__(self, stats: AccessStats, wishes: Sequence[Wish]) -> Wanted:
         if not wishes:
             self._memo, self._last = {}, None
             return NO_WANTS
-        last = self._last
-        if last is not None and _same(last[0], wishes) and (stats.gen[last[1].rows] == last[2]).all():
-            return last[1]  # the wishes of the round before, rows unchanged
+        last = self._repeated(stats, wishes)
+        if last is not None:
+            return last  # the wishes of the round before, rows unchanged
         memo: dict[str, tuple[tuple[BlockKey, ...], int, np.ndarray, np.ndarray]] = {}
         for w in wishes:
             m = self._memo.get(w.session)
@@ -64,6 +63,14 @@ class WishRows:
         out = Wanted(rows[idx], tier[idx], why[idx])
         self._last = (list(wishes), out, stats.gen[out.rows])
         return out
+
+    def _repeated(self, stats: AccessStats, wishes: Sequence[Wish]) -> Wanted | None:
+        """The last answer, when `wishes` are the same as then and its rows were not freed."""
+        last = self._last
+        if last is None or not _same(last[0], wishes) \
+                or not (stats.gen[last[1].rows] == last[2]).all():
+            return None
+        return last[1]
 
 
 def _same(a: Sequence[Wish], b: Sequence[Wish]) -> bool:
