@@ -296,3 +296,69 @@ def test_density_charges_half_the_stay_and_the_time_so_far_stands_in_for_it():
     # come back: the charge is all of the slot time)
     short_stay = reuse_density(st, rows, now, hold_s=mean_idle)
     assert short_stay == pytest.approx(2.0 * fallback, rel=1e-3, abs=0.0)
+
+
+def test_records_are_the_columns_and_survive_growth():
+    """A round reads a candidate's record in one gather (`records`); the column attributes are
+    views of the same records, before and after the table grows."""
+    st = AccessStats(capacity=16)
+    keys = [k("r", i) for i in range(40)]  # more rows than the first capacity: it grows
+    for i in range(0, 40, 4):
+        st.record([ev(keys[i:i + 4], "s", float(i))])
+    st.record([ev(keys[:2], "s", 100.0)])
+    rows = st.rows_of(keys)
+    assert st.live.shape[0] >= 40
+    rec = st.records(rows)
+    for name in ("last_t", "count", "gap_mu", "gap_var", "gaps", "cat", "base", "tier", "live"):
+        assert np.array_equal(rec[name], getattr(st, name)[rows]), name
+    assert rec["count"][:2].tolist() == [2, 2] and rec["last_t"][0] == 100.0
+    st.tier[rows[:3]] = WARM  # a write through a column lands in the records
+    assert st.records(rows[:3])["tier"].tolist() == [WARM] * 3
+
+
+def test_density_is_the_closed_form_row_by_row():
+    """`reuse_density` computes, for every row, p / (p t + (1 - p) h) with the log-normal
+    survival and conditional mean written out with erfc: the vectorized form (both normal
+    CDFs in one call) changes nothing but speed."""
+    rng = np.random.default_rng(3)
+    st = AccessStats()
+    t = 0.0
+    for i in range(300):
+        sess = f"s{rng.integers(0, 40)}"
+        blocks = [k(f"root{i % 3}")] + [k(f"b{sess}", j) for j in range(int(rng.integers(1, 5)))]
+        st.record([ev(blocks, sess, t)])
+        t += float(rng.exponential(3.0))
+    rows = st.sample_tier(HOT, 200, rng)
+    rows = np.unique(rows)
+    now, hold = t + 20.0, 40.0
+    got = reuse_density(st, rows, now, hold_s=hold)
+    q, mu, s = reuse_model(st, rows, reuse_tables(st))
+
+    def phi(x: float) -> float:
+        return 0.5 * math.erfc(-x / math.sqrt(2.0))
+    for i, r in enumerate(rows.tolist()):
+        qi = float(q[i]) if st.count[r] > 0 else 0.5
+        a = max(now - float(st.last_t[r]), 1e-3)
+        m, sd = float(mu[i]), float(s[i])
+        surv = max(1.0 - phi((math.log(a) - m) / sd), 1e-12)
+        p = qi * surv / (1.0 - qi + qi * surv)
+        after = math.exp(min(m + 0.5 * sd * sd, 50.0)) * phi((m + sd * sd - math.log(a)) / sd)
+        wait = max(after / surv - a, 1.0)
+        want = p / (p * wait + (1.0 - p) * max(0.5 * hold, 1.0))
+        assert got[i] == pytest.approx(want, rel=1e-4, abs=1e-12), (r, got[i], want)
+
+
+def test_a_tier_sample_holds_only_rows_of_that_tier_and_about_as_many_as_asked():
+    st = AccessStats()
+    keys = [k("m", i) for i in range(400)]
+    st.record([ev(keys, "s", 1.0)])
+    rows = st.rows_of(keys)
+    st.believe(rows[:100], WARM)  # a quarter moved to warm: stale entries in hot's list
+    rng = np.random.default_rng(0)
+    hot = st.sample_tier(HOT, 50, rng)
+    assert 25 <= hot.size <= 50 and (st.tier[hot] == HOT).all()
+    warm = st.sample_tier(WARM, 50, rng)
+    assert 25 <= warm.size <= 50 and (st.tier[warm] == WARM).all()
+    assert set(warm.tolist()) <= set(rows[:100].tolist())
+    seen = np.concatenate([st.sample_tier(HOT, 50, rng) for _ in range(60)])
+    assert np.unique(seen).size > 250  # uniform over the 300 hot rows: nearly all are drawn

@@ -47,12 +47,12 @@ def reuse_model(stats: AccessStats, rows: np.ndarray, tables: ReuseTables
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row: reuse odds (its category and use count), and the mean and deviation of the log
     time to its next use (its own gaps when it has some, else its category's)."""
-    c = stats.cat[rows]
-    q = tables.odds.ravel()[c * (CLASSES + 1) + np.minimum(stats.count[rows] + stats.base[rows],
-                                                           CLASSES)]
-    own = stats.gaps[rows] > 0
-    mu = np.where(own, stats.gap_mu[rows], tables.mu[c])
-    s = np.where(own, np.sqrt(np.maximum(stats.gap_var[rows], 0.04)), tables.sigma[c])
+    r = stats.records(rows)
+    c = r["cat"]
+    q = tables.odds.ravel()[c * (CLASSES + 1) + np.minimum(r["count"] + r["base"], CLASSES)]
+    own = r["gaps"] > 0
+    mu = np.where(own, r["gap_mu"], tables.mu[c])
+    s = np.where(own, np.sqrt(np.maximum(r["gap_var"], 0.04)), tables.sigma[c])
     return q, mu, s
 
 
@@ -104,13 +104,19 @@ def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
     `reuse_model`; a benchmark measures the score's ceiling with a trace generator's true
     parameters in its place)."""
     q, mu, s = model(stats, rows, tables if tables is not None else reuse_tables(stats))
-    q = np.where(stats.count[rows] > 0, q, PRIOR_ODDS)
-    a = np.maximum(now - stats.last_t[rows], 1e-3)
-    la = np.log(a)
-    surv = np.maximum(1.0 - _norm_cdf((la - mu) / s), 1e-12)
+    r = stats.records(rows)  # the rows the model has just read: in cache
+    q = np.where(r["count"] > 0, q, PRIOR_ODDS)
+    a = np.maximum(now - r["last_t"], 1e-3)
+    n = rows.size
+    z = np.empty(2 * n)  # both arguments of the normal CDF, for one call
+    np.subtract(np.log(a), mu, out=z[:n])
+    z[:n] /= s  # (log a - mu) / s
+    np.subtract(s, z[:n], out=z[n:])  # (mu + s^2 - log a) / s
+    phi = _norm_cdf(z)
+    surv = np.maximum(1.0 - phi[:n], 1e-12)
     qs = q * surv
     p = qs / (1.0 - q + qs)
-    after = np.exp(np.minimum(mu + 0.5 * s * s, 50.0)) * _norm_cdf((mu + s * s - la) / s)
+    after = np.exp(np.minimum(mu + 0.5 * s * s, 50.0)) * phi[n:]
     wait = np.maximum(after / surv - a, 1.0)
     hold = LEFT_OF_STAY * hold_s if hold_s is not None else (float(a.mean()) if a.size else 1.0)
     out: np.ndarray = p / (p * wait + (1.0 - p) * max(hold, 1.0))

@@ -2,7 +2,10 @@
 
 A dict maps block key -> row and a free list recycles rows; everything else is a column, so
 recording an access event costs one dict lookup per block plus a few vectorized updates, and a
-round reads the columns of the rows it looks at. Per row:
+round reads the columns of the rows it looks at. What a round reads of a candidate is one
+32-byte record per row (`ROW`, `records`), the columns of those names views of it: a round's
+few thousand rows cost a cache miss each, not one per column (at a million rows the columns
+are far larger than the caches). Per row:
 - `last_t`, `last_tick`, `count`: when, at which event, and how often it was used;
 - `gap_mu`, `gap_var`, `gaps`: an exponentially smoothed mean and variance of the log of the
   time between its uses (seconds), and how many gaps it has seen. A block used for the first
@@ -39,6 +42,12 @@ from .base import HOT, NONE, WARM
 from .feed import Access
 
 CLASSES = 3  # use-count classes: 1, 2, 3 or more
+ROW = np.dtype([("last_t", np.float64), ("gap_mu", np.float32), ("gap_var", np.float32),
+                ("count", np.int32), ("base", np.int32), ("cat", np.int32), ("gaps", np.int16),
+                ("tier", np.int8), ("live", np.bool_)])
+"""A row's record: when it was last used, its smoothed log gaps, uses (its own and its
+session's history), category, gaps seen, the tier placement believes it is in, and whether the
+row holds a block."""
 OTHER = 0  # the category of blocks whose root did not fit `max_categories`
 _GAPS_MAX = 1 << 14
 _COUNT_MAX = 1 << 30
@@ -89,17 +98,13 @@ class AccessStats:
         self.max_sessions = max_sessions
         self.max_categories = max(2, max_categories)
         self.session_keys = session_keys
-        self.live = np.zeros(cap, dtype=bool)
-        self.last_t = np.zeros(cap, dtype=np.float64)
+        # what a round reads of a candidate, one 32-byte record per row (`ROW`): a round's few
+        # thousand rows cost one cache miss each (`take`), not one per column; the attributes
+        # of the same names are views of it
+        self.rec = np.zeros(cap, dtype=ROW)
+        self._bind()
         self.last_tick = np.zeros(cap, dtype=np.int64)
-        self.count = np.zeros(cap, dtype=np.int32)
-        self.gap_mu = np.zeros(cap, dtype=np.float32)
-        self.gap_var = np.zeros(cap, dtype=np.float32)
-        self.gaps = np.zeros(cap, dtype=np.int16)
-        self.cat = np.zeros(cap, dtype=np.int32)
         self.owner = np.zeros(cap, dtype=np.int64)  # hash of the session that first used it
-        self.base = np.zeros(cap, dtype=np.int32)  # uses of its session's history before it
-        self.tier = np.zeros(cap, dtype=np.int8)
         self.raised = np.zeros(cap, dtype=np.int8)  # tier a prefetch raised it to, until used
         self.gen = np.zeros(cap, dtype=np.int32)  # bumped when the row is freed (for memos)
         self._scratch = np.zeros(cap, dtype=np.int64)  # for `distinct` / `common`
@@ -120,6 +125,8 @@ class AccessStats:
         self._members = {HOT: np.zeros(1024, dtype=np.int64), WARM: np.zeros(1024, dtype=np.int64)}
         self._mlen = {HOT: 0, WARM: 0}
         self._cursor = 0
+        self._pool = np.zeros(0, dtype=np.int64)  # random integers for `sample_tier`
+        self._pool_at = 0
         self.sessions: OrderedDict[str, SessionRecord] = OrderedDict()
         self.categories: dict[BlockKey, int] = {}
         nc = self.max_categories
@@ -312,11 +319,31 @@ class AccessStats:
         self._scratch[rows[::-1]] = idx[::-1]
         return np.flatnonzero(self._scratch[rows] == idx)
 
+    def _bind(self) -> None:
+        """The per-row columns of `rec`, as attributes (views: writes go to the records)."""
+        rec = self.rec
+        self.live: np.ndarray = rec["live"]
+        self.last_t: np.ndarray = rec["last_t"]
+        self.count: np.ndarray = rec["count"]
+        self.gap_mu: np.ndarray = rec["gap_mu"]
+        self.gap_var: np.ndarray = rec["gap_var"]
+        self.gaps: np.ndarray = rec["gaps"]
+        self.cat: np.ndarray = rec["cat"]
+        self.base: np.ndarray = rec["base"]  # uses of its session's history before it
+        self.tier: np.ndarray = rec["tier"]
+
+    def records(self, rows: np.ndarray) -> np.ndarray:
+        """The `ROW` records of `rows` (a copy, one gather)."""
+        return self.rec.take(rows)
+
     def _grow(self) -> None:
         old = self.live.shape[0]
         new = old * 2
-        for name in ("live", "last_t", "last_tick", "count", "gap_mu", "gap_var", "gaps", "cat",
-                     "owner", "base", "tier", "raised", "gen", "_scratch"):
+        rec = np.zeros(new, dtype=ROW)
+        rec[:old] = self.rec
+        self.rec = rec
+        self._bind()
+        for name in ("last_tick", "owner", "raised", "gen", "_scratch"):
             a = getattr(self, name)
             b = np.zeros(new, dtype=a.dtype)
             b[:old] = a
@@ -363,7 +390,8 @@ class AccessStats:
 
     def keys_of(self, rows: np.ndarray) -> list[BlockKey]:
         """The keys of live `rows` (free rows are skipped)."""
-        return [k for k in self.keys[rows].tolist() if k is not None]
+        keys: list[BlockKey] = self.keys[rows].tolist()
+        return [k for k in keys if k is not None] if None in keys else keys
 
     def forget(self, rows: np.ndarray) -> None:
         """Drop rows (their blocks are gone from the store); they go back to the free list."""
@@ -488,16 +516,28 @@ class AccessStats:
         return out
 
     def sample_tier(self, code: int, n: int, rng: np.random.Generator) -> np.ndarray:
-        """About `n` distinct rows placement believes are in hot or warm (`code`), drawn
-        uniformly, in O(n) (the member list is compacted when half of it has left)."""
+        """About `n` rows placement believes are in hot or warm (`code`), drawn uniformly with
+        replacement, in O(n) (the member list is compacted when half of it has left); a row
+        may come twice (callers take distinct rows of all their candidates at once)."""
         m = self._mlen[code]
         if m == 0 or n <= 0:
             return np.zeros(0, dtype=np.int64)
-        rows = self._members[code][rng.integers(0, m, size=2 * n)]
+        rows = self._members[code][self._draw(rng, 2 * n) % m]
         ok = self.tier[rows] == code
         if 2 * int(np.count_nonzero(ok)) < ok.size:
             self._compact(code)
-        return self.distinct(rows[ok])[:n]
+        out: np.ndarray = rows[ok][:n]
+        return out
+
+    def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """`n` uniform integers in [0, 2**31), from a pool drawn 64k at a time (one draw of
+        a thousand costs about as much as the pool's share of ten thousand)."""
+        if self._pool_at + n > self._pool.size:
+            self._pool = rng.integers(0, 1 << 31, size=max(n, 1 << 16), dtype=np.int64)
+            self._pool_at = 0
+        out = self._pool[self._pool_at:self._pool_at + n]
+        self._pool_at += n
+        return out
 
     def _compact(self, code: int) -> None:
         buf, n = self._members[code], self._mlen[code]
@@ -537,7 +577,8 @@ class AccessStats:
         hi = min(self.high, lo + n)
         self._cursor = hi
         rows = np.arange(lo, hi, dtype=np.int64)
-        return rows[self.live[lo:hi]]
+        out: np.ndarray = rows[self.live[lo:hi]]
+        return out
 
     def sample(self, code: int, n: int, rng: np.random.Generator, *, draws: int) -> np.ndarray:
         """Up to `n` distinct rows believed in tier `code`, from `draws` random rows."""
