@@ -363,3 +363,39 @@ def test_positions_finds_rows_among_others():
     stats.record([Access([key(i) for i in range(6)], "s", 0.0)])
     among = np.array([4, 1, 3])
     assert stats.positions(np.array([1, 2, 3, 4, 1]), among).tolist() == [1, -1, 2, 0, 1]
+
+
+def test_warm_is_sampled_for_its_own_shortfall_and_lru_frees_room_for_hots_victims():
+    """When hot is short, warm is looked at too (hot's victims need its room). A scoring
+    policy samples warm in proportion to warm's own shortfall (the blocks that make room for
+    hot's victims are mostly warm's arrivals, hot's earlier victims), not to hot's victims as
+    well; LRU takes as many of warm's least recently used blocks as hot's victims need."""
+    caps = Capacities(4000, 2000)
+    p = PolicyParams()
+    for policy in ("reuse", "lru"):
+        env = Env(caps, 9000, policy)
+        sampled: list[tuple[int, int]] = []
+        tails: list[tuple[Tier, int]] = []
+        f = env.svc.stats.sample_tier
+        env.svc.stats.sample_tier = lambda code, n, rng, f=f, s=sampled: (s.append((code, n)),
+                                                                           f(code, n, rng))[1]
+        g = env.store.least_recent_idle
+        env.store.least_recent_idle = lambda tier, n, g=g, s=tails: (s.append((tier, n)),
+                                                                     g(tier, n))[1]
+        t = 1.0
+        for r in range(8):  # 8 x 1000 new blocks: hot and warm fill, then both are short
+            env.use(t, list(range(1000 * r, 1000 * r + 1000)))
+            env.clock.t = t + 0.5
+            env.svc.run_round()
+            t += 1.0
+        hot_victims = p.headroom(caps.hot) + p.batch(caps.hot)  # hot full: short by its head-room
+        warm_own_most = p.headroom(caps.warm) + p.batch(caps.warm)  # warm: at most its own
+        if policy == "reuse":
+            warm = [n for code, n in sampled if code == WARM]
+            assert warm and max(warm) <= max(p.sample, int(p.sample_per_victim * warm_own_most))
+            hot = [n for code, n in sampled if code == HOT]
+            assert min(hot) >= p.sample_per_victim * hot_victims  # hot: its own victims
+        else:
+            warm_tail = [n for tier, n in tails if tier is W]
+            assert warm_tail and max(warm_tail) >= hot_victims + p.batch(caps.warm)
+        assert env.svc.errors == 0

@@ -138,10 +138,10 @@ class Gatherer:
             # warm is looked at as well when hot is short: hot's victims need its room
             if short[t] <= 0 and not (t is Tier.WARM and short[Tier.HOT] > 0):
                 continue
-            need = max(0, short[t]) + p.batch(caps.of(t))
-            if t is Tier.WARM and short[Tier.HOT] > 0:
-                need += short[Tier.HOT] + p.batch(caps.hot)
-            victims[t] = self._victims(t, need)
+            own = max(0, short[t]) + p.batch(caps.of(t))
+            need = own + (short[Tier.HOT] + p.batch(caps.hot)
+                          if t is Tier.WARM and short[Tier.HOT] > 0 else 0)
+            victims[t] = self._victims(t, need, own)
         if len(victims) == 2 and self.policy.wants_sample:
             # a block placement believes in hot that the store has in warm is nobody's this round
             both = self.stats.common(victims[Tier.HOT].rows, victims[Tier.WARM].rows)
@@ -156,14 +156,18 @@ class Gatherer:
         self.stats.trim_arrived(4 * (caps.hot + caps.warm))
         return RoundView(now, caps, free, victims, risers, wanted, incoming)
 
-    def _victims(self, tier: Tier, need: int) -> Candidates:
+    def _victims(self, tier: Tier, need: int, own: int) -> Candidates:
         """Blocks of `tier` that may go down. `lru`: the store's `need` least recently used
         idle ones, in that order. Scoring policies: the blocks that entered the tier since it
         was last short (hot: brought in by their use; warm: demoted there by placement), a
         uniform sample of the blocks placement believes are there (in proportion to `need`)
         and a few of the store's least recently used ones; all numpy, no key is looked up. A
         block that has moved since placement last looked costs a planned move that the store
-        skips (it moves only idle blocks of the tier they are in)."""
+        skips (it moves only idle blocks of the tier they are in). `need`: the blocks that may
+        have to leave `tier` (for warm, hot's victims included); `own`: those of its own
+        shortfall, what a sample is in proportion to (for warm, the blocks that make room for
+        hot's victims are mostly its arrivals, hot's earlier victims: a sample in proportion to
+        `need` found no better ones, BENCHMARKS.md)."""
         p = self.policy.params
         code = CODE_OF[tier]
         if not self.policy.wants_sample:
@@ -171,7 +175,7 @@ class Gatherer:
             return Candidates(np.zeros(0, np.int64), np.full(len(keys), code, np.int8), keys)
         lru = self.stats.ensure_rows(self.store.least_recent_idle(tier, p.lru_candidates))
         self.stats.believe(lru, code)
-        sample = self.stats.sample_tier(code, max(p.sample, int(p.sample_per_victim * need)),
+        sample = self.stats.sample_tier(code, max(p.sample, int(p.sample_per_victim * own)),
                                         self.rng)
         arrived = self.stats.take_arrived(code)
         rows = self.stats.distinct(
