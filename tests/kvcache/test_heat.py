@@ -110,3 +110,28 @@ def test_a_freed_row_reused_reads_only_its_new_ticks():
     assert h.heat(np.array([3]), 10).tolist() == [0.0]
     h.record(np.array([3]), np.array([8]))
     assert h.heat(np.array([3]), 10).tolist() == [np.float32(0.5)]  # 1 / (10 - 8), no more
+
+
+def test_rows_used_a_few_times_hold_no_ring_and_a_cleared_ring_is_reused():
+    """Most blocks are used a few times: they keep their ticks in their own `INLINE` slots
+    (a million rows cost tens of MB, not 4 W bytes each); a row used more often takes a ring
+    of W slots from the pool, its earlier ticks carried over, and gives it back when cleared."""
+    from kvagentd.kvcache.placement.heat import INLINE
+    h = HeatMap(200, capacity=16)
+    n = 20_000
+    for t in range(INLINE):
+        rec(h, list(range(n)), t)
+    assert h.rings == 0 and h.nbytes < 40 * n
+    assert np.allclose(h.heat(np.arange(n), INLINE), sum(1.0 / d for d in range(1, INLINE + 1)))
+    for t in range(INLINE, 10):  # row 5 goes on: a ring, with its first ticks in it
+        rec(h, [5], t)
+    assert h.rings == 1
+    assert h.heat(np.array([5]), 10)[0] == pytest.approx(sum(1.0 / d for d in range(1, 11)))
+    size = h._wide.shape[0]
+    h.clear(np.array([5, 6]))
+    assert h.rings == 0 and h.heat(np.array([5]), 10)[0] == 0.0
+    for t in range(10, 20):  # another row takes the ring row 5 gave back
+        rec(h, [7], t)
+    assert h.rings == 1 and h._wide.shape[0] == size
+    want = sum(1.0 / (20 - t) for t in (*range(INLINE), *range(10, 20)))
+    assert h.heat(np.array([7]), 20)[0] == pytest.approx(want, rel=1e-6)
