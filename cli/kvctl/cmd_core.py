@@ -192,9 +192,11 @@ def _batch_summary(ex: dict[str, Any]) -> list[str]:
 def _placement_summary(v: dict[str, Any]) -> list[str]:
     last = v.get("last_round") or {}
     moves = sum((last.get("moves") or {}).values()) if last else 0
+    mem = v.get("memory_bytes") or {}
     out = [f"placement {v.get('policy', '?')}  rounds {v.get('rounds', 0)}  errors "
            f"{v.get('errors', 0)}  last round {moves} moves, planned in "
-           f"{1000 * (last.get('decision_s') or 0):.1f} ms"]
+           f"{1000 * (last.get('decision_s') or 0):.1f} ms  {v.get('blocks', 0)} blocks "
+           f"known in {render.size(sum(mem.values()) if mem else None)}"]
     pre = v.get("prefetched_blocks") or {}
     if pre.get("raised"):
         out.append(f"         prefetched {pre['raised']} blocks: {pre.get('used', 0)} used, "

@@ -205,6 +205,7 @@ def test_status_summarizes_services_it_knows(h: Harness, capsys: pytest.CaptureF
         "engine": {"model": "SmolLM2", "executor": "not a dict"},
         "placement": {"policy": "heat+prefetch", "rounds": 7, "errors": 0,
                       "last_round": {"moves": {"demote:heat": 3}, "decision_s": 0.0012},
+                      "blocks": 1200, "memory_bytes": {"stats": 3 << 20, "heat": 1 << 20},
                       "prefetched_blocks": {"raised": 40, "used": 31, "wasted": 6,
                                             "waiting": 3}},
     }
@@ -217,4 +218,5 @@ def test_status_summarizes_services_it_knows(h: Harness, capsys: pytest.CaptureF
     assert row.split()[:2] == ["pump-1", "C"] and "pump-1-2" in row
     assert "engine:" in out and "executor: not a dict" in out  # unexpected shape: every field
     assert "placement heat+prefetch  rounds 7" in out and "last round 3 moves" in out
+    assert "1200 blocks known in 4.0 MiB" in out
     assert "prefetched 40 blocks: 31 used, 6 moved down or dropped unused, 3 waiting" in out

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvagentd.kvcache.placement.base import HOT, NONE, WARM
+from kvagentd.kvcache.placement.base import HOT, NONE, WARM, Capacities
 from kvagentd.kvcache.placement.feed import Access, AccessFeed
 from kvagentd.kvcache.placement.reuse import reuse_density, reuse_model, reuse_tables
 from kvagentd.kvcache.placement.stats import AccessStats, sorted_unique
@@ -362,3 +362,21 @@ def test_a_tier_sample_holds_only_rows_of_that_tier_and_about_as_many_as_asked()
     assert set(warm.tolist()) <= set(rows[:100].tolist())
     seen = np.concatenate([st.sample_tier(HOT, 50, rng) for _ in range(60)])
     assert np.unique(seen).size > 250  # uniform over the 300 hot rows: nearly all are drawn
+
+
+def test_placements_memory_is_a_few_hundred_bytes_a_block_and_status_says_it():
+    """What placement keeps per block is bounded and reported (`kvctl status`): its arrays,
+    the key -> row dict and the keys; a heat policy adds its heat map."""
+    from .sim_env import Env
+    st = AccessStats()
+    keys = [i.to_bytes(16, "big") for i in range(60_000)]
+    for i in range(0, 60_000, 1_000):
+        st.record([ev(keys[i:i + 1_000], "s", float(i))])
+    assert 100 * len(st) < st.nbytes < 400 * len(st)
+    for policy in ("reuse", "heat"):
+        env = Env(Capacities(8, 8), 200, policy)
+        env.use(1.0, list(range(50)))
+        env.svc.ingest()
+        mem = env.svc.status()["memory_bytes"]
+        assert mem["stats"] > 50 * 100
+        assert (mem["heat"] > 0) == (policy == "heat"), (policy, mem)

@@ -495,6 +495,8 @@ class PlacementService:
                 "decision_us_per_accessed_block": per_access,
                 "warmed_up_blocks": self.warmed_up,
                 "blocks": len(self.stats), "sessions": len(self.stats.sessions),
+                "memory_bytes": {"stats": self.stats.nbytes,
+                                 "heat": self.heat.nbytes if self.heat is not None else 0},
                 "feed": {"recorded": self.feed.recorded, "dropped": self.feed.dropped,
                          "pending": len(self.feed) + len(self._early)},
                 "prefetch": self.prefetcher.stats() if self.policy.uses_prefetch else None,

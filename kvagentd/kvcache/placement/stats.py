@@ -29,6 +29,7 @@ summary of the hottest sessions, `summary.py`). Not thread-safe: placement's own
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -150,6 +151,16 @@ class AccessStats:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    @property
+    def nbytes(self) -> int:
+        """About what placement's memory of blocks takes: its arrays, the key -> row dict and
+        the keys it holds (the store holds the same key objects: counted once, here)."""
+        arrays = [self.rec, self.last_tick, self.owner, self.raised, self.gen, self._scratch,
+                  self.keys, *self._pending.values(), *self._member.values(),
+                  *self._members.values(), self._pool]
+        keys = len(self.index) * (sys.getsizeof(b"") + 16)  # 16-byte block keys
+        return sum(int(a.nbytes) for a in arrays) + sys.getsizeof(self.index) + keys
 
     # ------------------------------------------------------------------ recording
     def record(self, events: Sequence[Access]) -> Recorded:
