@@ -160,7 +160,7 @@ class Gatherer:
         """Blocks of `tier` that may go down. `lru`: the store's `need` least recently used
         idle ones, in that order. Scoring policies: the blocks that entered the tier since it
         was last short (hot: brought in by their use; warm: demoted there by placement), a
-        uniform sample of the blocks placement believes are there (in proportion to `need`)
+        uniform sample of the blocks placement believes are there (in proportion to `own`)
         and a few of the store's least recently used ones; all numpy, no key is looked up. A
         block that has moved since placement last looked costs a planned move that the store
         skips (it moves only idle blocks of the tier they are in). `need`: the blocks that may
