@@ -155,7 +155,7 @@ class AccessStats:
     @property
     def nbytes(self) -> int:
         """About what placement's memory of blocks takes: its arrays, the key -> row dict and
-        the keys it holds (the store holds the same key objects: counted once, here)."""
+        the 16-byte keys it refers to (objects the store may share: an upper bound)."""
         arrays = [self.rec, self.last_tick, self.owner, self.raised, self.gen, self._scratch,
                   self.keys, *self._pending.values(), *self._member.values(),
                   *self._members.values(), self._pool]
