@@ -399,3 +399,39 @@ def test_warm_is_sampled_for_its_own_shortfall_and_lru_frees_room_for_hots_victi
             warm_tail = [n for tier, n in tails if tier is W]
             assert warm_tail and max(warm_tail) >= hot_victims + p.batch(caps.warm)
         assert env.svc.errors == 0
+
+
+def test_promotions_go_best_first_into_each_tiers_room_within_the_budget():
+    """`heat` raises its risers by heat, wishes first (each to the tier wished for), while the
+    tier has room beyond its head-room and the budget lasts: a riser whose tier is full is
+    passed over, the next one bound elsewhere still rises; never down, never sideways. One
+    batch per (from, to, reason), in the order each first rises."""
+    from kvagentd.kvcache.placement.heat import HeatMap
+    from kvagentd.kvcache.placement.policy import HeatPolicy, Wanted, REASONS
+    st = AccessStats()
+    heat = HeatMap(16)
+    keys = [key(i) for i in range(12)]
+    st.record([Access(keys, "s", 0.0)])
+    rows = st.rows_of(keys)
+    # uses per riser: more uses, more heat (riser 11 none: it never rises by heat)
+    for i in range(11):
+        heat.record(np.full(i + 1, rows[i]), np.arange(i + 1, dtype=np.int64))
+    st.tick = 20
+    tiers = np.array([C, W, C, W, C, W, C, W, C, W, C, C], dtype=object)
+    codes = np.array([CODE_OF[t] for t in tiers], np.int8)
+    risers = Candidates(rows, codes)
+    # rows 0 and 2 (cold) are wished up to warm, for a reason of its own
+    pre = REASONS.index(Reason.PREDICT)
+    wanted = Wanted(rows[[0, 2]], np.array([CODE_OF[W]] * 2, np.int8),
+                    np.array([pre, pre], np.int8))
+    p = PolicyParams(hot_factor=0.0, hysteresis=0.0, headroom_fraction=0.0, window_fraction=0.05)
+    caps = Capacities(100, 100)  # budget: 5 moves; hot has room for 3, warm for 1
+    view = RoundView(20.0, caps, {H: 3, W: 1}, {}, risers, wanted)
+    plan = HeatPolicy(p).plan(view, st, heat)
+    got = [(b.src, b.dst, b.reason, [int(r) for r in b.rows]) for b in plan.batches]
+    # wishes first (rows 2 and 0 by heat, 2 hotter): only one fits warm's one slot; then by
+    # heat: 10, 9, 8 take hot's three slots, and the budget of 5 is spent
+    assert got == [(C, W, Reason.PREDICT, [int(rows[2])]),
+                   (C, H, Reason.HEAT, [int(rows[10]), int(rows[8])]),
+                   (W, H, Reason.HEAT, [int(rows[9])])]
+    assert sum(len(b) for b in plan.batches) == 4  # hot full after 3, warm after 1

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..base import BlockKey, Tier
-from .base import TIER_OF, Capacities, MoveBatch, Plan, Reason
+from .base import CODE_OF, TIER_OF, Capacities, MoveBatch, Plan, Reason
 from .heat import HeatMap
 from .reuse import ReuseModel, reuse_density, reuse_model, reuse_tables
 from .stats import AccessStats
@@ -97,6 +97,7 @@ class Candidates:
 NO_CANDIDATES = Candidates(np.zeros(0, np.int64), np.zeros(0, np.int8))
 
 REASONS = tuple(Reason)  # `Wanted.reason` codes index this
+_HEAT_CODE = REASONS.index(Reason.HEAT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,30 +239,38 @@ def _demotions(view: RoundView, stats: AccessStats, p: PolicyParams,
 
 
 def _promotions(view: RoundView, stats: AccessStats, p: PolicyParams, eligible: np.ndarray,
-                score: np.ndarray, reasons: list[Reason], dst: list[Tier], budget: _Budget,
+                score: np.ndarray, reasons: np.ndarray, dst: np.ndarray, budget: _Budget,
                 demoted: list[MoveBatch]) -> list[MoveBatch]:
     """Promote eligible risers, best score first, into the room beyond the head-room that is
-    free once `demoted` has run (a promotion never displaces a block by itself)."""
+    free once `demoted` has run (a promotion never displaces a block by itself). `reasons`:
+    each riser's reason code (an index into `REASONS`); `dst`: the tier code it would rise to.
+    In score order a riser is taken while its tier has room and the budget lasts (one numpy
+    pass: the room a riser finds is its rank among the earlier ones bound for its tier)."""
     room = {t: view.free.get(t, 0) - p.headroom(view.caps.of(t)) for t in (Tier.HOT, Tier.WARM)}
     for b in demoted:
         room[b.src] = room.get(b.src, 0) + len(b)
         if b.dst in room:
             room[b.dst] -= len(b)
-    groups: dict[tuple[Tier, Tier, Reason], list[int]] = {}
     r = view.risers
-    for i in np.flatnonzero(eligible)[np.argsort(-score[eligible], kind="stable")].tolist():
-        t, src = dst[i], TIER_OF[int(r.tier[i])]
-        if budget.left < 1:
-            break
-        if room[t] < 1 or not t.above(src):
-            continue
-        room[t] -= 1
-        budget.left -= 1
-        groups.setdefault((src, t, reasons[i]), []).append(int(r.rows[i]))
+    order = np.flatnonzero(eligible)[np.argsort(-score[eligible], kind="stable")]
+    order = order[dst[order] < r.tier[order]]  # only up (codes follow the tiers' order)
+    if order.size == 0 or budget.left < 1:
+        return []
+    d = dst[order]
+    take = np.zeros(order.size, dtype=bool)
+    for t in (Tier.HOT, Tier.WARM):
+        mine = np.flatnonzero(d == CODE_OF[t])
+        take[mine[:max(0, room[t])]] = True
+    order = order[take][:budget.left]
+    budget.left -= order.size
+    # one batch per (from, to, reason), in the order each first appears
+    key = (r.tier[order].astype(np.int64) * 16 + dst[order]) * 256 + reasons[order]
+    _, first = np.unique(key, return_index=True)
     out = []
-    for (src, d, why), rows in groups.items():
-        rr = np.asarray(rows, np.int64)
-        out.append(MoveBatch(tuple(stats.keys_of(rr)), src, d, why, rr))
+    for i in np.sort(first).tolist():
+        rr = r.rows[order[key == key[i]]]
+        out.append(MoveBatch(tuple(stats.keys_of(rr)), TIER_OF[int(r.tier[order[i]])],
+                             TIER_OF[int(dst[order[i]])], REASONS[int(reasons[order[i]])], rr))
     return out
 
 
@@ -344,11 +353,10 @@ class HeatPolicy(PlacementPolicy):
         hot_enough = (h >= p.hot_factor * mean * (1.0 + p.hysteresis)) & (h > 0)
         at = view.wanted.at(stats, r.rows)
         wanted = at >= 0
-        reasons, dst = [Reason.HEAT] * at.size, [Tier.HOT] * at.size
-        for i in np.flatnonzero(wanted).tolist():
-            j = int(at[i])
-            reasons[i] = REASONS[int(view.wanted.reason[j])]
-            dst[i] = TIER_OF[int(view.wanted.tier[j])]
+        reasons = np.full(at.size, _HEAT_CODE, dtype=np.int8)  # risen by heat, to hot ...
+        dst = np.full(at.size, CODE_OF[Tier.HOT], dtype=np.int8)
+        reasons[wanted] = view.wanted.reason[at[wanted]]  # ... or wished for, as wished
+        dst[wanted] = view.wanted.tier[at[wanted]]
         # prefetch wishes rank above heat
         # promotions have a budget of their own: a round that makes room for wished-for
         # blocks also brings them up
