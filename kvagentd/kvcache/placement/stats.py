@@ -541,8 +541,8 @@ class AccessStats:
         return out
 
     def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """`n` uniform integers in [0, 2**31), from a pool drawn 64k at a time (one draw of
-        a thousand costs about as much as the pool's share of ten thousand)."""
+        """`n` uniform integers in [0, 2**31), from a pool drawn 64k at a time: a round's
+        draw of a thousand or two is mostly the generator's cost per call."""
         if self._pool_at + n > self._pool.size:
             self._pool = rng.integers(0, 1 << 31, size=max(n, 1 << 16), dtype=np.int64)
             self._pool_at = 0
