@@ -82,9 +82,9 @@ class _Truth:
 
 
 def causal_model(truth: _Truth) -> ReuseModel:
-    def model(stats: AccessStats, rows: np.ndarray, tables: ReuseTables
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        q, mu, s = reuse_model(stats, rows, tables)
+    def model(stats: AccessStats, rows: np.ndarray, tables: ReuseTables,
+              rec: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        q, mu, s = reuse_model(stats, rows, tables, rec)
         mine, app, conv, q = truth.rows(stats, rows, q)
         # the conversation's turns up to the block's last use: n gaps seen, their log sum
         g = np.searchsorted(truth.key, conv * 1e7 + stats.last_t[rows] + 1e-6, "right") - 1
@@ -99,9 +99,9 @@ def causal_model(truth: _Truth) -> ReuseModel:
 
 
 def clairvoyant_model(truth: _Truth) -> ReuseModel:
-    def model(stats: AccessStats, rows: np.ndarray, tables: ReuseTables
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        q, mu, s = reuse_model(stats, rows, tables)
+    def model(stats: AccessStats, rows: np.ndarray, tables: ReuseTables,
+              rec: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        q, mu, s = reuse_model(stats, rows, tables, rec)
         mine, app, conv, q = truth.rows(stats, rows, q)
         mu = np.where(mine, truth.log_pace[conv], mu).astype(np.float32)
         s = np.where(mine, np.sqrt(truth.w2[app]), s).astype(np.float32)

@@ -94,8 +94,8 @@ def test_reuse_ranks_by_the_model_it_is_given():
     st, view, docs, convs = _docs_and_chats()
     chat = set(st.rows_of(convs).tolist())
 
-    def inverted(stats, rows, tables):
-        q, mu, s = reuse_model(stats, rows, tables)
+    def inverted(stats, rows, tables, rec=None):
+        q, mu, s = reuse_model(stats, rows, tables, rec)
         is_chat = np.isin(rows, list(chat))
         return np.where(is_chat, 0.0, 0.99), mu, s
 
@@ -367,9 +367,9 @@ def test_positions_finds_rows_among_others():
 
 def test_warm_is_sampled_for_its_own_shortfall_and_lru_frees_room_for_hots_victims():
     """When hot is short, warm is looked at too (hot's victims need its room). A scoring
-    policy samples warm in proportion to warm's own shortfall (the blocks that make room for
-    hot's victims are mostly warm's arrivals, hot's earlier victims), not to hot's victims as
-    well; LRU takes as many of warm's least recently used blocks as hot's victims need."""
+    policy samples warm in proportion to warm's own shortfall (`warm_sample_per_victim`), not
+    to hot's victims as well, and asks the store for `lru_candidates` of warm's least recently
+    used blocks; LRU takes as many of them as hot's victims need."""
     caps = Capacities(4000, 2000)
     p = PolicyParams()
     for policy in ("reuse", "lru"):
@@ -392,7 +392,9 @@ def test_warm_is_sampled_for_its_own_shortfall_and_lru_frees_room_for_hots_victi
         warm_own_most = p.headroom(caps.warm) + p.batch(caps.warm)  # warm: at most its own
         if policy == "reuse":
             warm = [n for code, n in sampled if code == WARM]
-            assert warm and max(warm) <= max(p.sample, int(p.sample_per_victim * warm_own_most))
+            assert warm and max(warm) <= max(p.sample,
+                                             int(p.warm_sample_per_victim * warm_own_most))
+            assert {n for tier, n in tails if tier is W} == {p.lru_candidates}
             hot = [n for code, n in sampled if code == HOT]
             assert min(hot) >= p.sample_per_victim * hot_victims  # hot: its own victims
         else:
@@ -435,3 +437,31 @@ def test_promotions_go_best_first_into_each_tiers_room_within_the_budget():
                    (C, H, Reason.HEAT, [int(rows[10]), int(rows[8])]),
                    (W, H, Reason.HEAT, [int(rows[9])])]
     assert sum(len(b) for b in plan.batches) == 4  # hot full after 3, warm after 1
+
+
+def test_a_round_reuses_its_gatherer_until_the_policy_or_capacities_change():
+    """The gatherer serves round after round (no per-round setup) yet sees each round's own
+    free room: a round with room moves nothing, the next one, with hot full, makes room. A new
+    policy or new capacities get a new gatherer."""
+    caps = Capacities(100, 50)
+    env = Env(caps, 1000, "reuse")
+    env.use(1.0, list(range(40)))
+    env.clock.t = 1.5
+    assert not env.svc.run_round().batches  # hot has room
+    first = env.svc._gather
+    assert first is not None and first.policy is env.svc.policy
+    env.use(2.0, list(range(40, 100)))  # hot full: short of its head-room
+    env.clock.t = 2.5
+    plan = env.svc.run_round()
+    assert env.svc._gather is first  # the same gatherer ...
+    assert sum(len(b) for b in plan.batches if b.src is Tier.HOT) > 0  # ... with fresh room
+    assert env.store.pool(Tier.HOT).num_free >= PolicyParams().headroom(caps.hot)
+    env.svc.reload(type("Cfg", (), {"placement": PlacementConfig(policy="lru",
+                                                                 trace_capacity=1000)})())
+    env.clock.t = 3.0
+    env.svc.run_round()
+    assert env.svc._gather is not first and env.svc._gather.policy.name == "lru"
+    lru = env.svc._gather
+    env.svc._caps = Capacities(120, 50)  # as `capacities()` finds after a resize
+    env.svc.run_round()
+    assert env.svc._gather is not lru and env.svc._gather.caps == Capacities(120, 50)

@@ -139,18 +139,24 @@ def test_density_charges_a_block_unlikely_to_return_the_slot_time_it_would_waste
     assert st.hold_s == pytest.approx(51.0 + 0.2 * (61.0 - 51.0))
 
 
-def test_arrivals_are_taken_once_and_trimmed():
+def test_arrivals_are_hot_ones_taken_once_and_trimmed():
+    """Blocks that enter hot (used, or promoted there) are a round's candidates once; blocks
+    that enter warm are hot's victims and are not kept as warm's."""
     st = AccessStats()
     st.record([ev([k("a"), k("b")], "s", 1.0), ev([k("a")], "s", 2.0)])
     got = st.take_arrived(HOT)
     assert sorted(got.tolist()) == sorted(st.rows_of([k("a"), k("b")]).tolist())
     assert st.take_arrived(HOT).size == 0
-    st.moved(st.rows_of([k("b")]), WARM)
-    assert st.take_arrived(WARM).tolist() == st.rows_of([k("b")]).tolist()
+    b = st.rows_of([k("b")])
+    st.moved(b, WARM)
+    assert st.take_arrived(WARM).size == 0 and st.take_arrived(HOT).size == 0
+    st.moved(b, HOT)  # promoted
+    assert st.take_arrived(HOT).tolist() == b.tolist()
     for i in range(100):
         st.record([ev([k("x", i)], "s", 3.0 + i)])
     st.trim_arrived(10)
-    assert st.take_arrived(HOT).size <= 20
+    last = st.take_arrived(HOT)
+    assert last.tolist() == st.rows_of([k("x", i) for i in range(90, 100)]).tolist()
 
 
 def test_forgotten_rows_are_reused_and_the_sweep_visits_every_row():
@@ -300,20 +306,26 @@ def test_density_charges_half_the_stay_and_the_time_so_far_stands_in_for_it():
 
 def test_records_are_the_columns_and_survive_growth():
     """A round reads a candidate's record in one gather (`records`); the column attributes are
-    views of the same records, before and after the table grows."""
+    views of the same records, before and after the table grows; where placement believes a
+    row is, and whether it holds a block, are columns of their own that grow with the rest."""
     st = AccessStats(capacity=16)
     keys = [k("r", i) for i in range(40)]  # more rows than the first capacity: it grows
     for i in range(0, 40, 4):
         st.record([ev(keys[i:i + 4], "s", float(i))])
     st.record([ev(keys[:2], "s", 100.0)])
     rows = st.rows_of(keys)
-    assert st.live.shape[0] >= 40
+    assert st.rec.shape[0] >= 40
+    assert st.tier.shape == st.live.shape == st.rec.shape
     rec = st.records(rows)
-    for name in ("last_t", "count", "gap_mu", "gap_var", "gaps", "cat", "base", "tier", "live"):
+    for name in ("last_t", "count", "gap_mu", "gap_var", "gaps", "cat", "base"):
         assert np.array_equal(rec[name], getattr(st, name)[rows]), name
     assert rec["count"][:2].tolist() == [2, 2] and rec["last_t"][0] == 100.0
-    st.tier[rows[:3]] = WARM  # a write through a column lands in the records
-    assert st.records(rows[:3])["tier"].tolist() == [WARM] * 3
+    st.count[rows[:3]] = 7  # a write through a column lands in the records
+    assert st.records(rows[:3])["count"].tolist() == [7] * 3
+    assert st.live[rows].all() and (st.tier[rows] == HOT).all()  # all used: in hot
+    st.forget(rows[:2])
+    assert not st.live[rows[:2]].any() and (st.tier[rows[:2]] == NONE).all()
+    assert st.live[rows[2:]].all()
 
 
 def test_density_is_the_closed_form_row_by_row():

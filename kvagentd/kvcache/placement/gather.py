@@ -82,8 +82,9 @@ def _same(a: Sequence[Wish], b: Sequence[Wish]) -> bool:
 
 
 class Gatherer:
-    """Builds one round's `RoundView` for `policy` (a few questions to the store, the rest
-    from placement's own `AccessStats`)."""
+    """Builds a round's `RoundView` for `policy` (a few questions to the store, the rest from
+    placement's own `AccessStats`). One serves round after round while the policy and the
+    capacities stay the same: `begin` starts a round."""
 
     def __init__(self, store: PlacementStore, stats: AccessStats, policy: PlacementPolicy,
                  prefetcher: Prefetcher, rng: np.random.Generator, caps: Capacities,
@@ -92,6 +93,12 @@ class Gatherer:
         self.prefetcher, self.rng, self.caps = prefetcher, rng, caps
         self.wish_rows = wish_rows if wish_rows is not None else WishRows()
         self._wishes: list[Wish] | None = None  # this round's, once asked for
+        self._room: dict[Tier, int] | None = None  # free room per tier, as `roomy` found it
+
+    def begin(self) -> None:
+        """A new round: forget the last one's wishes and free room."""
+        self._wishes = None
+        self._room = None
 
     def roomy(self, now: float) -> bool:
         """True when hot and warm have their head-room and no prefetch wish waits to be looked
@@ -104,15 +111,16 @@ class Gatherer:
                 return False
         caps = self.caps
         p = self.policy.params
-        return (self.store.pool(Tier.HOT).num_free >= p.headroom(caps.hot)
-                and self.store.pool(Tier.WARM).num_free >= p.headroom(caps.warm))
+        self._room = room = {t: self.store.pool(t).num_free for t in POOL_TIERS}
+        return room[Tier.HOT] >= p.headroom(caps.hot) and room[Tier.WARM] >= p.headroom(caps.warm)
 
     def view(self, now: float) -> RoundView:
         """Free room per tier and, where it is short of its head-room (counting the room that
         wished-for prefetches need), the candidates."""
         p = self.policy.params
         caps = self.caps
-        free = {t: self.store.pool(t).num_free for t in POOL_TIERS}
+        free = self._room if self._room is not None else {t: self.store.pool(t).num_free
+                                                          for t in POOL_TIERS}
         risers = NO_CANDIDATES
         wanted = NO_WANTS
         incoming = {Tier.HOT: 0, Tier.WARM: 0}
@@ -158,16 +166,16 @@ class Gatherer:
 
     def _victims(self, tier: Tier, need: int, own: int) -> Candidates:
         """Blocks of `tier` that may go down. `lru`: the store's `need` least recently used
-        idle ones, in that order. Scoring policies: the blocks that entered the tier since it
-        was last short (hot: brought in by their use; warm: demoted there by placement), a
-        uniform sample of the blocks placement believes are there (in proportion to `own`)
-        and a few of the store's least recently used ones; all numpy, no key is looked up. A
-        block that has moved since placement last looked costs a planned move that the store
-        skips (it moves only idle blocks of the tier they are in). `need`: the blocks that may
-        have to leave `tier` (for warm, hot's victims included); `own`: those of its own
-        shortfall, what a sample is in proportion to (for warm, the blocks that make room for
-        hot's victims are mostly its arrivals, hot's earlier victims: a sample in proportion to
-        `need` found no better ones, BENCHMARKS.md)."""
+        idle ones, in that order. Scoring policies, all numpy, no key looked up but the store's
+        `lru_candidates` least recently used ones: those, a uniform sample of the blocks
+        placement believes are in `tier` and, in hot, the blocks that entered it since it was
+        last short (brought in by their use). Hot's sample is `sample_per_victim` per block of
+        its own shortfall `own` (for hot, its `need`); warm's `warm_sample_per_victim`. The
+        blocks that enter warm are hot's victims, already ranked low: scoring them again as
+        warm candidates (the earlier design) cost a fifth of a deciding round and found no
+        better victims (BENCHMARKS.md); a hot victim that finds no room in warm goes to cold.
+        A block that has moved since placement last looked costs a planned move that the store
+        skips (it moves only idle blocks of the tier they are in)."""
         p = self.policy.params
         code = CODE_OF[tier]
         if not self.policy.wants_sample:
@@ -175,11 +183,12 @@ class Gatherer:
             return Candidates(np.zeros(0, np.int64), np.full(len(keys), code, np.int8), keys)
         lru = self.stats.ensure_rows(self.store.least_recent_idle(tier, p.lru_candidates))
         self.stats.believe(lru, code)
-        sample = self.stats.sample_tier(code, max(p.sample, int(p.sample_per_victim * own)),
-                                        self.rng)
-        arrived = self.stats.take_arrived(code)
-        rows = self.stats.distinct(
-            np.concatenate([lru, sample, arrived[self.stats.tier[arrived] == code]]))
+        per = p.sample_per_victim if tier is Tier.HOT else p.warm_sample_per_victim
+        parts = [lru, self.stats.sample_tier(code, max(p.sample, int(per * own)), self.rng)]
+        if tier is Tier.HOT:
+            arrived = self.stats.take_arrived(code)
+            parts.append(arrived[self.stats.tier[arrived] == code])
+        rows = self.stats.distinct(np.concatenate(parts))
         return Candidates(rows, np.full(rows.size, code, np.int8))
 
     def _risers(self, rows: np.ndarray) -> Candidates:

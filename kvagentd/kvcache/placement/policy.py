@@ -53,7 +53,8 @@ class PolicyParams:
     headroom_fraction: float = 0.03  # free share of hot / warm kept for foreground requests
     batch_fraction: float = 0.03  # demote at least this share of capacity when short
     sample: int = 64  # scoring policies: blocks of a tier drawn at random (at least)
-    sample_per_victim: float = 2.0  # ... and per block to move
+    sample_per_victim: float = 2.0  # ... and per block to move out of hot
+    warm_sample_per_victim: float = 1.0  # ... and per block to move out of warm
     lru_candidates: int = 32  # scoring policies: the store's least recently used ones
 
     def max_moves(self, caps: Capacities) -> int:

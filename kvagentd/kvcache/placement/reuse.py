@@ -26,28 +26,32 @@ class ReuseTables(NamedTuple):
 
 
 def reuse_tables(stats: AccessStats) -> ReuseTables:
-    """Per category: reuse odds by use count, and the log-gap mean and deviation (a wide prior
-    where a category has none yet). Small arrays: computed once per round."""
-    odds = np.minimum((stats.reused + 0.5) / (stats.reached + 1.0), 0.995)
-    n = stats.cat_n
+    """Per category in use: reuse odds by use count, and the log-gap mean and deviation (a wide
+    prior where a category has none yet). Small arrays: computed once per round, over the
+    categories seen so far (`OTHER` and the numbered ones), not the table's whole size."""
+    k = min(len(stats.categories) + 1, stats.cat_n.size)
+    odds = np.minimum((stats.reused[:k] + 0.5) / (stats.reached[:k] + 1.0), 0.995)
+    n = stats.cat_n[:k]
     seen = n > 1.5
     safe = np.maximum(n, 1e-9)
-    mu = np.where(seen, stats.cat_lg / safe, stats.prior_mu)
-    var = np.where(seen, stats.cat_lg2 / safe - mu * mu, stats.prior_var)
+    mu = np.where(seen, stats.cat_lg[:k] / safe, stats.prior_mu)
+    var = np.where(seen, stats.cat_lg2[:k] / safe - mu * mu, stats.prior_var)
     return ReuseTables(odds, mu.astype(np.float32),
                        np.sqrt(np.maximum(var, 0.04)).astype(np.float32))
 
 
-ReuseModel = Callable[[AccessStats, np.ndarray, ReuseTables],
+ReuseModel = Callable[[AccessStats, np.ndarray, ReuseTables, np.ndarray | None],
                       tuple[np.ndarray, np.ndarray, np.ndarray]]
-"""Per row: reuse odds, and the mean and deviation of the log time to its next use."""
+"""Per row: reuse odds, and the mean and deviation of the log time to its next use (the rows'
+records, `AccessStats.records`, when the caller has read them)."""
 
 
-def reuse_model(stats: AccessStats, rows: np.ndarray, tables: ReuseTables
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def reuse_model(stats: AccessStats, rows: np.ndarray, tables: ReuseTables,
+                rec: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row: reuse odds (its category and use count), and the mean and deviation of the log
-    time to its next use (its own gaps when it has some, else its category's)."""
-    r = stats.records(rows)
+    time to its next use (its own gaps when it has some, else its category's). `rec`: the
+    rows' records, read here when not given."""
+    r = stats.records(rows) if rec is None else rec
     c = r["cat"]
     q = tables.odds.ravel()[c * (CLASSES + 1) + np.minimum(r["count"] + r["base"], CLASSES)]
     own = r["gaps"] > 0
@@ -103,8 +107,8 @@ def reuse_density(stats: AccessStats, rows: np.ndarray, now: float,
     with the prior odds. `model` gives the odds and the log-normal per row (the learned
     `reuse_model`; a benchmark measures the score's ceiling with a trace generator's true
     parameters in its place)."""
-    q, mu, s = model(stats, rows, tables if tables is not None else reuse_tables(stats))
-    r = stats.records(rows)  # the rows the model has just read: in cache
+    r = stats.records(rows)  # one gather: the model reads the same records
+    q, mu, s = model(stats, rows, tables if tables is not None else reuse_tables(stats), r)
     q = np.where(r["count"] > 0, q, PRIOR_ODDS)
     a = np.maximum(now - r["last_t"], 1e-3)
     n = rows.size

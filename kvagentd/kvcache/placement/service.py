@@ -125,6 +125,7 @@ class PlacementService:
         self.prefetcher = Prefetcher(lead_s=options.prefetch_lead_s,
                                      interval_s=options.interval_s)
         self._wish_rows = WishRows()  # the rows of the prefetcher's wishes, across rounds
+        self._gather: Gatherer | None = None  # kept while the policy and capacities stay
         self.policy: PlacementPolicy = make_policy(options.policy, params_of(options))
         self.heat: HeatMap | None = self._heat_for(self.policy, None)
         self._rng = np.random.default_rng(seed)
@@ -293,9 +294,8 @@ class PlacementService:
                 self.ingest()
             now = self.clock()
             t0 = time.thread_time()
-            gather = Gatherer(self.store, self.stats, self.policy, self.prefetcher, self._rng,
-                              self._caps if self._caps is not None else self.capacities(),
-                              self._wish_rows)
+            gather = self._gatherer(self._caps if self._caps is not None
+                                    else self.capacities())
             if gather.roomy(now):  # nothing is short of room and nothing rises: nothing to decide
                 plan = Plan((), self.policy.name)
             else:
@@ -329,6 +329,15 @@ class PlacementService:
         if self.rounds % SUMMARY_EVERY_ROUNDS == 0:
             self.save_summary()
         return plan
+
+    def _gatherer(self, caps: Capacities) -> Gatherer:
+        """The round's `Gatherer`: the last one while the policy and capacities are the same."""
+        g = self._gather
+        if g is None or g.policy is not self.policy or g.caps != caps:
+            g = self._gather = Gatherer(self.store, self.stats, self.policy, self.prefetcher,
+                                        self._rng, caps, self._wish_rows)
+        g.begin()
+        return g
 
     def apply(self, plan: Plan) -> int:
         """Execute `plan`'s batches in order; returns blocks moved. A failing batch is logged

@@ -44,13 +44,13 @@ from .feed import Access
 
 CLASSES = 3  # use-count classes: 1, 2, 3 or more
 ROW = np.dtype([("last_t", np.float64), ("gap_mu", np.float32), ("gap_var", np.float32),
-                ("count", np.int32), ("base", np.int32), ("cat", np.int32), ("gaps", np.int16),
-                ("tier", np.int8), ("live", np.bool_)])
+                ("count", np.int32), ("base", np.int32), ("cat", np.int32), ("gaps", np.int32)])
 """A row's record: when it was last used, its smoothed log gaps, uses (its own and its
-session's history), category, gaps seen, the tier placement believes it is in, and whether the
-row holds a block."""
+session's history), category and gaps seen. Where placement believes the row is (`tier`) and
+whether it holds a block (`live`) are byte columns of their own: sampling, arrivals and
+liveness checks read only them, 1 byte a row where a record's field would cost a cache line."""
 OTHER = 0  # the category of blocks whose root did not fit `max_categories`
-_GAPS_MAX = 1 << 14
+_GAPS_MAX = 1 << 30
 _COUNT_MAX = 1 << 30
 
 
@@ -104,6 +104,8 @@ class AccessStats:
         # of the same names are views of it
         self.rec = np.zeros(cap, dtype=ROW)
         self._bind()
+        self.tier = np.zeros(cap, dtype=np.int8)  # NONE: where placement believes it is
+        self.live = np.zeros(cap, dtype=bool)  # the row holds a block
         self.last_tick = np.zeros(cap, dtype=np.int64)
         self.owner = np.zeros(cap, dtype=np.int64)  # hash of the session that first used it
         self.raised = np.zeros(cap, dtype=np.int8)  # tier a prefetch raised it to, until used
@@ -116,11 +118,11 @@ class AccessStats:
         self.tick = 0  # events recorded
         self.accesses = 0  # block accesses recorded
         self._since_decay = 0
-        # rows that entered hot (by their use) or warm (moved there) since the tier was last
-        # looked at for victims
-        self._arrived: dict[int, list[np.ndarray]] = {HOT: [], WARM: []}
-        self._arrived_n = {HOT: 0, WARM: 0}
-        self._pending = {HOT: np.zeros(cap, dtype=bool), WARM: np.zeros(cap, dtype=bool)}
+        # rows that entered hot (by their use or a promotion) since hot was last looked at for
+        # victims, each once (`_pending`)
+        self._arrived: list[np.ndarray] = []
+        self._arrived_n = 0
+        self._pending = np.zeros(cap, dtype=bool)
         # rows believed in hot / in warm, for uniform sampling (entries that left are skipped)
         self._member = {HOT: np.zeros(cap, dtype=bool), WARM: np.zeros(cap, dtype=bool)}
         self._members = {HOT: np.zeros(1024, dtype=np.int64), WARM: np.zeros(1024, dtype=np.int64)}
@@ -156,8 +158,8 @@ class AccessStats:
     def nbytes(self) -> int:
         """About what placement's memory of blocks takes: its arrays, the key -> row dict and
         the 16-byte keys it refers to (objects the store may share: an upper bound)."""
-        arrays = [self.rec, self.last_tick, self.owner, self.raised, self.gen, self._scratch,
-                  self.keys, *self._pending.values(), *self._member.values(),
+        arrays = [self.rec, self.tier, self.live, self.last_tick, self.owner, self.raised,
+                  self.gen, self._scratch, self.keys, self._pending, *self._member.values(),
                   *self._members.values(), self._pool]
         keys = len(self.index) * (sys.getsizeof(b"") + 16)  # 16-byte block keys
         return sum(int(a.nbytes) for a in arrays) + sys.getsizeof(self.index) + keys
@@ -236,7 +238,7 @@ class AccessStats:
         self.last_tick[rs[last]] = ticks_ev[ev[order[last]]]
         self.count[rs[last]] = np.minimum(cnt[last] + 1, _COUNT_MAX)
         self.believe(rs[last], HOT)  # the store brings every block it serves into hot
-        self._arrive(HOT, rs[last])
+        self._arrive(rs[last])
         self.accesses += n
         self._since_decay += n
         if self._since_decay >= self.decay_every:
@@ -333,7 +335,6 @@ class AccessStats:
     def _bind(self) -> None:
         """The per-row columns of `rec`, as attributes (views: writes go to the records)."""
         rec = self.rec
-        self.live: np.ndarray = rec["live"]
         self.last_t: np.ndarray = rec["last_t"]
         self.count: np.ndarray = rec["count"]
         self.gap_mu: np.ndarray = rec["gap_mu"]
@@ -341,29 +342,30 @@ class AccessStats:
         self.gaps: np.ndarray = rec["gaps"]
         self.cat: np.ndarray = rec["cat"]
         self.base: np.ndarray = rec["base"]  # uses of its session's history before it
-        self.tier: np.ndarray = rec["tier"]
 
     def records(self, rows: np.ndarray) -> np.ndarray:
         """The `ROW` records of `rows` (a copy, one gather)."""
         return self.rec.take(rows)
 
     def _grow(self) -> None:
-        old = self.live.shape[0]
+        old = self.rec.shape[0]
         new = old * 2
         rec = np.zeros(new, dtype=ROW)
         rec[:old] = self.rec
         self.rec = rec
         self._bind()
-        for name in ("last_tick", "owner", "raised", "gen", "_scratch"):
+        for name in ("tier", "live", "last_tick", "owner", "raised", "gen", "_scratch"):
             a = getattr(self, name)
             b = np.zeros(new, dtype=a.dtype)
             b[:old] = a
             setattr(self, name, b)
-        for flags in (self._pending, self._member):
-            for code, flag in flags.items():
-                grown = np.zeros(new, dtype=bool)
-                grown[:old] = flag
-                flags[code] = grown
+        for code, flag in self._member.items():
+            grown = np.zeros(new, dtype=bool)
+            grown[:old] = flag
+            self._member[code] = grown
+        pending = np.zeros(new, dtype=bool)
+        pending[:old] = self._pending
+        self._pending = pending
         keys = np.full(new, None, dtype=object)
         keys[:old] = self.keys
         self.keys = keys
@@ -401,8 +403,10 @@ class AccessStats:
 
     def keys_of(self, rows: np.ndarray) -> list[BlockKey]:
         """The keys of live `rows` (free rows are skipped)."""
-        keys: list[BlockKey] = self.keys[rows].tolist()
-        return [k for k in keys if k is not None] if None in keys else keys
+        if self.live[rows].all():  # the common case: a byte column, not a scan of the keys
+            out: list[BlockKey] = self.keys[rows].tolist()
+            return out
+        return self.keys[rows[self.live[rows]]].tolist()  # type: ignore[no-any-return]
 
     def forget(self, rows: np.ndarray) -> None:
         """Drop rows (their blocks are gone from the store); they go back to the free list."""
@@ -436,12 +440,12 @@ class AccessStats:
             rows[miss] = np.fromiter(map(self.index.__getitem__, mk), np.int64, len(mk))
         return rows
 
-    def _arrive(self, code: int, rows: np.ndarray) -> None:
-        flag = self._pending[code]
+    def _arrive(self, rows: np.ndarray) -> None:
+        flag = self._pending
         new = rows[~flag[rows]]  # each row once until taken
         flag[new] = True
-        self._arrived[code].append(new)
-        self._arrived_n[code] += new.size
+        self._arrived.append(new)
+        self._arrived_n += new.size
 
     def note_left_hot(self, rows: np.ndarray, now: float) -> None:
         """Placement moved `rows` out of hot at `now`: smooth `hold_s` toward the mean time
@@ -461,8 +465,8 @@ class AccessStats:
             self.prefetch_wasted += int(np.count_nonzero(down))
             self.raised[rows[down]] = NONE
         self.believe(rows, code)
-        if code in self._arrived:
-            self._arrive(code, rows)
+        if code == HOT:
+            self._arrive(rows)
 
     def note_raised(self, rows: np.ndarray, code: int) -> None:
         """A prefetch raised `rows` to tier `code` (after `moved`); rows already waiting for
@@ -533,7 +537,9 @@ class AccessStats:
         m = self._mlen[code]
         if m == 0 or n <= 0:
             return np.zeros(0, dtype=np.int64)
-        rows = self._members[code][self._draw(rng, 2 * n) % m]
+        # an index in [0, m) from each 31-bit draw by a multiply and a shift (Lemire's
+        # reduction: no division; bias below m / 2**31)
+        rows = self._members[code].take((self._draw(rng, 2 * n) * m) >> 31)
         ok = self.tier[rows] == code
         if 2 * int(np.count_nonzero(ok)) < ok.size:
             self._compact(code)
@@ -560,25 +566,25 @@ class AccessStats:
         self._mlen[code] = int(kept.size)
 
     def take_arrived(self, code: int) -> np.ndarray:
-        """Distinct live rows that entered hot or warm (`code`) since the last call."""
-        parts = self._arrived[code]
-        if not parts:
+        """Distinct live rows that entered hot since the last call (`code`: hot's; warm keeps
+        none: the blocks that enter it are hot's victims, `Gatherer._victims`)."""
+        parts = self._arrived
+        if code != HOT or not parts:
             return np.zeros(0, dtype=np.int64)
         rows = np.concatenate(parts)
         parts.clear()
-        self._arrived_n[code] = 0
-        self._pending[code][rows] = False
+        self._arrived_n = 0
+        self._pending[rows] = False
         out: np.ndarray = rows[self.live[rows]]
         return out
 
     def trim_arrived(self, limit: int) -> None:
-        """Keep at most the last `limit` arrivals per tier for the next `take_arrived`."""
-        for code, parts in self._arrived.items():
-            if self._arrived_n[code] > 2 * limit:
-                rows = np.concatenate(parts)
-                self._pending[code][rows[:-limit]] = False
-                self._arrived[code] = [rows[-limit:]]
-                self._arrived_n[code] = limit
+        """Keep at most the last `limit` arrivals for the next `take_arrived`."""
+        if self._arrived_n > 2 * limit:
+            rows = np.concatenate(self._arrived)
+            self._pending[rows[:-limit]] = False
+            self._arrived = [rows[-limit:]]
+            self._arrived_n = limit
 
     def sweep(self, n: int) -> np.ndarray:
         """The next `n` rows of a cursor that cycles over every row (live ones returned)."""
