@@ -94,6 +94,8 @@ class Gatherer:
         self.wish_rows = wish_rows if wish_rows is not None else WishRows()
         self._wishes: list[Wish] | None = None  # this round's, once asked for
         self._room: dict[Tier, int] | None = None  # free room per tier, as `roomy` found it
+        p = policy.params
+        self._head = (p.headroom(caps.hot), p.headroom(caps.warm))  # fixed for a gatherer
 
     def begin(self) -> None:
         """A new round: forget the last one's wishes and free room."""
@@ -109,10 +111,8 @@ class Gatherer:
             self._wishes = self.prefetcher.wishes(now)
             if not self.wish_rows.still(self.stats, self._wishes):
                 return False
-        caps = self.caps
-        p = self.policy.params
         self._room = room = {t: self.store.pool(t).num_free for t in POOL_TIERS}
-        return room[Tier.HOT] >= p.headroom(caps.hot) and room[Tier.WARM] >= p.headroom(caps.warm)
+        return room[Tier.HOT] >= self._head[0] and room[Tier.WARM] >= self._head[1]
 
     def view(self, now: float) -> RoundView:
         """Free room per tier and, where it is short of its head-room (counting the room that
