@@ -172,8 +172,8 @@ class Gatherer:
         last short (brought in by their use). Hot's sample is `sample_per_victim` per block of
         its own shortfall `own` (for hot, its `need`); warm's `warm_sample_per_victim`. The
         blocks that enter warm are hot's victims, already ranked low: scoring them again as
-        warm candidates (the earlier design) cost a fifth of a deciding round and found no
-        better victims (BENCHMARKS.md); a hot victim that finds no room in warm goes to cold.
+        warm candidates (the earlier design) found no better victims, the same hits for more
+        bytes moved (BENCHMARKS.md); a hot victim that finds no room in warm goes to cold.
         A block that has moved since placement last looked costs a planned move that the store
         skips (it moves only idle blocks of the tier they are in)."""
         p = self.policy.params
