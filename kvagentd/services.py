@@ -221,6 +221,7 @@ def build_tiers(config: Config, geometry: KVGeometry, namespace: bytes,
                           warm_bytes=config.warm_bytes, cold=cold, device=device,
                           access_listener=access_listener,
                           persist_on_shutdown=config.kv.persist_on_shutdown,
+                          prefetch_queue=config.placement.prefetch_max_inflight,
                           write_behind=write_behind_policy(config))
     return Tiers(store, built[0])
 

@@ -294,6 +294,44 @@ def test_composition_root_builds_tiers_from_the_config(tmp_path, geometry, names
     st.close()
 
 
+def test_prefetches_queued_at_once_are_bounded_by_the_placement_setting(tmp_path, geometry,
+                                                                        namespace):
+    """`placement.prefetch_max_inflight` bounds the background prefetches queued behind the one
+    the mover is working on; more are dropped and counted, and the foreground never waits."""
+    import dataclasses
+    import threading
+
+    from kvagentd.config import PlacementConfig
+    from kvagentd.kvcache.base import Tier
+    from kvagentd.services import build_tiers
+
+    bb = geometry.block_bytes
+    cfg = dataclasses.replace(_config(tmp_path, hot_bytes=8 * bb, warm_ratio=0.5,
+                                      cold_capacity_bytes=1 << 22, segment_bytes=1 << 20),
+                              placement=PlacementConfig(prefetch_max_inflight=2))
+    st = build_tiers(cfg, geometry, namespace, "cpu").store
+    mover = st._mover
+    working, release = threading.Event(), threading.Event()
+    real = mover.promote_now
+
+    def stalled(keys, tier):  # the mover thread stops on its first batch until released
+        working.set()
+        release.wait(10.0)
+        return real(keys, tier)
+
+    mover.promote_now = stalled
+    try:
+        keys = [bytes([i]) * 16 for i in range(6)]
+        assert st.promote(keys[:1], Tier.HOT, background=True) == 1
+        assert working.wait(10.0)  # taken off the queue: it holds none now
+        queued = [st.promote(keys[i:i + 1], Tier.HOT, background=True) for i in range(1, 6)]
+        assert queued == [1, 1, 0, 0, 0]  # two queued, three dropped
+        assert st.counters["prefetch_queued"] == 3 and st.counters["prefetch_dropped"] == 3
+    finally:
+        release.set()
+        st.close()
+
+
 def test_pools_never_reallocate_and_stats_are_json(make_store):
     import json
 
