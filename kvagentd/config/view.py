@@ -14,7 +14,12 @@ RELOADABLE = frozenset({
     "daemon.log_level", "daemon.log_repeat_interval_s", "agent.tick_interval_s",
     "agent.weekly_report_cron",
     "maintenance.defrag_interval_s", "maintenance.health_interval_s",
-    "maintenance.scrub_interval_s", "placement.interval_s",
+    "maintenance.scrub_interval_s",
+    # placement applies its policy and tuning at the next round (`PlacementService.reload`);
+    # its trace buffer, warm-up and the store's prefetch queue are sized at start
+    *(f"placement.{name}" for name in (
+        "policy", "heatmap_window", "hot_factor", "warm_factor", "window_fraction",
+        "hysteresis", "headroom_fraction", "interval_s", "prefetch_lead_s")),
     *(f"health.{f.name}" for f in dataclasses.fields(HealthConfig)),
 })
 

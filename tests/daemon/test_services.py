@@ -142,6 +142,30 @@ def test_reload_applies_reloadable_fields_and_hands_config_to_services(tmp: Path
         d.shutdown()
 
 
+def test_placement_policy_and_tuning_reload_but_its_sizes_wait_for_a_restart(tmp: Path) -> None:
+    """SIGHUP hands placement a new policy and factors (it applies them at its next round);
+    the trace buffer and the store's prefetch queue are sized at start."""
+    journal: list[str] = []
+    d = _daemon(tmp, placement=FakeService("placement", journal))
+    d.startup()
+    try:
+        assert d.config_path is not None
+        d.config_path.write_text(d.config_path.read_text() + (
+            '[placement]\npolicy = "heat+prefetch"\nhot_factor = 2.5\n'
+            "headroom_fraction = 0.05\ntrace_capacity = 10\nprefetch_max_inflight = 4\n"))
+        result = d.reload()
+        assert result["applied"] == {"placement.policy": ["reuse", "heat+prefetch"],
+                                     "placement.hot_factor": [1.8, 2.5],
+                                     "placement.headroom_fraction": [0.03, 0.05]}
+        assert result["restart_required"] == ["placement.prefetch_max_inflight",
+                                              "placement.trace_capacity"]
+        got = d.placement.reloaded[-1].placement
+        assert (got.policy, got.hot_factor, got.headroom_fraction) == ("heat+prefetch", 2.5, 0.05)
+        assert got.trace_capacity == 100_000 and got.prefetch_max_inflight == 8
+    finally:
+        d.shutdown()
+
+
 def test_startup_failure_stops_started_services(tmp: Path) -> None:
     journal: list[str] = []
     class Broken(FakeService):
