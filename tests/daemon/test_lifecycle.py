@@ -64,18 +64,21 @@ def test_sighup_reloads_log_level_and_keeps_old_config_on_error(spawn, short_dir
     p = spawn(config)
     p.notify.wait_for("READY=1")
     p.notify.messages.clear()
-    write_config(short_dir, log_level="debug", extra="[placement]\npolicy = \"lru\"\n")
+    write_config(short_dir, log_level="debug",
+                 extra="[placement]\npolicy = \"lru\"\ntrace_capacity = 10\n")
     p.send_signal(signal.SIGHUP)
     p.notify.wait_for("RELOADING=1")
     p.notify.wait_for("READY=1")
     cfg = p.get("/v1/config")["config"]
     assert cfg["daemon"]["log_level"] == "debug"
-    assert cfg["placement"]["policy"] == "reuse"  # needs a restart: not applied
+    assert cfg["placement"]["policy"] == "lru"  # placement's policy changes live ...
+    assert cfg["placement"]["trace_capacity"] == 100_000  # ... its trace buffer's size does not
     reloaded = [e for e in _json_events(p.output()) if e.get("event") == "config_reloaded"]
-    assert reloaded[-1]["applied"] == {"daemon.log_level": ["info", "debug"]}
-    assert reloaded[-1]["restart_required"] == ["placement.policy"]
+    assert reloaded[-1]["applied"] == {"daemon.log_level": ["info", "debug"],
+                                       "placement.policy": ["reuse", "lru"]}
+    assert reloaded[-1]["restart_required"] == ["placement.trace_capacity"]
     assert _config_check(p)["status"] == "degraded"  # operators see what is not applied yet
-    assert "applied at the next restart: placement.policy" in _config_check(p)["reason"]
+    assert "applied at the next restart: placement.trace_capacity" in _config_check(p)["reason"]
 
     config.write_text(config.read_text().replace('log_level = "debug"',
                                                  'log_level = "loud"'))
@@ -90,7 +93,7 @@ def test_sighup_reloads_log_level_and_keeps_old_config_on_error(spawn, short_dir
     assert "daemon.log_level" in check["reason"]
     # the file fixed and back to what runs: nothing pending
     config.write_text(config.read_text().replace('log_level = "loud"', 'log_level = "debug"')
-                      .replace('policy = "lru"', 'policy = "reuse"'))
+                      .replace("trace_capacity = 10\n", "trace_capacity = 100000\n"))
     p.notify.messages.clear()
     p.send_signal(signal.SIGHUP)
     p.notify.wait_for("READY=1")
