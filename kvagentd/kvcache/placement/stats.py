@@ -403,10 +403,9 @@ class AccessStats:
 
     def keys_of(self, rows: np.ndarray) -> list[BlockKey]:
         """The keys of live `rows` (free rows are skipped)."""
-        if self.live[rows].all():  # the common case: a byte column, not a scan of the keys
-            out: list[BlockKey] = self.keys[rows].tolist()
-            return out
-        return self.keys[rows[self.live[rows]]].tolist()  # type: ignore[no-any-return]
+        live = self.live[rows]  # a byte column, not a scan of the keys
+        out: list[BlockKey] = self.keys[rows if live.all() else rows[live]].tolist()
+        return out
 
     def forget(self, rows: np.ndarray) -> None:
         """Drop rows (their blocks are gone from the store); they go back to the free list."""
