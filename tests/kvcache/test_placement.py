@@ -465,3 +465,56 @@ def test_a_round_reuses_its_gatherer_until_the_policy_or_capacities_change():
     env.svc._caps = Capacities(120, 50)  # as `capacities()` finds after a resize
     env.svc.run_round()
     assert env.svc._gather is not lru and env.svc._gather.caps == Capacities(120, 50)
+
+
+def test_reuse_hands_on_the_candidates_ranked_next_after_its_victims():
+    """The plan names hot's runners-up: `carry_per_victim` x hot's need candidates, the
+    lowest-ranked of those that stay, none of them a victim; LRU (the store's keys) has none."""
+    st, view, docs, convs = _docs_and_chats()
+    p = PolicyParams(headroom_fraction=0.03, batch_fraction=0.02, carry_per_victim=1.0)
+    plan = ReusePolicy(p).plan(view, st, None)
+    need = view.need(H, p)  # 3 - 1 + 2
+    moved = [m.key for m in plan]
+    assert len(moved) == need and set(moved) <= set(docs)
+    runners = st.keys_of(plan.runners_up)
+    # the documents rank below every conversation: the next `need` after the victims
+    assert len(runners) == need and set(runners) <= set(docs) and not set(runners) & set(moved)
+    none = ReusePolicy(PolicyParams(headroom_fraction=0.03, batch_fraction=0.02,
+                                    carry_per_victim=0.0)).plan(view, st, None)
+    assert none.runners_up is None and [m.key for m in none] == moved
+    keys = [key(i) for i in range(10)]
+    lru_view = RoundView(0.0, Capacities(100, 100), {H: 1, W: 50},
+                         {H: Candidates(np.zeros(0, np.int64), np.full(10, HOT, np.int8), keys)})
+    assert LRUPolicy(p).plan(lru_view, AccessStats(), None).runners_up is None
+
+
+def test_the_next_round_that_makes_room_in_hot_looks_at_the_runners_up_again():
+    """A deciding round's runners-up join hot's candidates the next time hot is short (once;
+    those that left hot since are dropped), whether or not that round's sample finds them."""
+    caps = Capacities(400, 200)
+    env = Env(caps, 5000, "reuse")
+    svc = env.svc
+    t = 1.0
+    for r in range(4):  # hot fills, then is short
+        env.use(t, list(range(150 * r, 150 * r + 150)))
+        env.clock.t = t + 0.5
+        plan = svc.run_round()
+        t += 1.0
+    assert plan.runners_up is not None and plan.runners_up.size > 0
+    runners = plan.runners_up.copy()
+    assert svc._gather is not None and np.array_equal(svc._gather._runners_up, runners)
+    gone = runners[:3]  # moved out of hot meanwhile (by a request elsewhere, say)
+    env.store.demote(svc.stats.keys_of(gone), Tier.WARM)
+    svc.stats.believe(gone, WARM)
+    seen: list[np.ndarray] = []
+    orig = svc.policy.plan
+    svc.policy.plan = lambda view, stats, heat: (seen.append(view.victims[H].rows.copy()),
+                                                 orig(view, stats, heat))[1]
+    svc.stats.sample_tier = lambda code, n, rng: np.zeros(0, np.int64)  # no sample: only
+    env.use(t, list(range(600, 750)))  # the LRU tail, arrivals and the runners-up
+    env.clock.t = t + 0.5
+    svc.run_round()
+    assert seen, "hot was short"
+    cand = set(seen[0].tolist())
+    assert set(runners[3:].tolist()) <= cand and not set(gone.tolist()) & cand
+    assert env.svc.errors == 0

@@ -175,6 +175,9 @@ class Plan:
     batches: tuple[MoveBatch, ...]
     policy: str
     considered: int = 0  # blocks looked at
+    # rows of hot's runners-up: the lowest-ranked candidates that stay, looked at again in the
+    # next round that makes room there (scoring policies; `PolicyParams.carry_per_victim`)
+    runners_up: np.ndarray | None = None
 
     @property
     def moves(self) -> tuple[Move, ...]:

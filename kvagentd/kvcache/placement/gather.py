@@ -1,6 +1,7 @@
 """What a placement round looks at: free room per tier and, where a tier is short of its
-head-room, the candidates to move (bounded: the blocks that entered it since, a sample and a
-few of the store's least recently used ones), never every stored block."""
+head-room, the candidates to move (bounded: the blocks that entered it since, a sample, a
+few of the store's least recently used ones and, in hot, the last plan's runners-up), never
+every stored block."""
 
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ class Gatherer:
         self.wish_rows = wish_rows if wish_rows is not None else WishRows()
         self._wishes: list[Wish] | None = None  # this round's, once asked for
         self._room: dict[Tier, int] | None = None  # free room per tier, as `roomy` found it
+        self._runners_up = np.zeros(0, np.int64)  # hot's, from the last plan that ranked it
         p = policy.params
         self._head = (p.headroom(caps.hot), p.headroom(caps.warm))  # fixed for a gatherer
 
@@ -101,6 +103,12 @@ class Gatherer:
         """A new round: forget the last one's wishes and free room."""
         self._wishes = None
         self._room = None
+
+    def carry(self, rows: np.ndarray | None) -> None:
+        """Hot's runners-up of the plan just made (`Plan.runners_up`): candidates again the
+        next time hot is short (None: the plan did not rank hot; the last ones wait)."""
+        if rows is not None:
+            self._runners_up = rows
 
     def roomy(self, now: float) -> bool:
         """True when hot and warm have their head-room and no prefetch wish waits to be looked
@@ -169,7 +177,8 @@ class Gatherer:
         idle ones, in that order. Scoring policies, all numpy, no key looked up but the store's
         `lru_candidates` least recently used ones: those, a uniform sample of the blocks
         placement believes are in `tier` and, in hot, the blocks that entered it since it was
-        last short (brought in by their use). Hot's sample is `sample_per_victim` per block of
+        last short (brought in by their use) and the last plan's runners-up (`carry`) that
+        placement still believes are there. Hot's sample is `sample_per_victim` per block of
         its own shortfall `own` (for hot, its `need`); warm's `warm_sample_per_victim`. The
         blocks that enter warm are hot's victims, already ranked low: scoring them again as
         warm candidates (the earlier design) found no better victims, the same hits for more
@@ -187,7 +196,9 @@ class Gatherer:
         parts = [lru, self.stats.sample_tier(code, max(p.sample, int(per * own)), self.rng)]
         if tier is Tier.HOT:
             arrived = self.stats.take_arrived(code)
-            parts.append(arrived[self.stats.tier[arrived] == code])
+            runners, self._runners_up = self._runners_up, np.zeros(0, np.int64)
+            both = np.concatenate([arrived, runners])  # a freed row's tier is NONE
+            parts.append(both[self.stats.tier[both] == code])
         rows = self.stats.distinct(np.concatenate(parts))
         return Candidates(rows, np.full(rows.size, code, np.int8))
 

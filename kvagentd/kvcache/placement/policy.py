@@ -3,7 +3,8 @@
 A round looks only at the blocks it has to decide about, never at every stored block: when the
 hot or warm tier has less free room than its head-room (`headroom_fraction` of its capacity),
 the service gathers candidates there (the store's least recently used idle blocks, a bounded
-random sample of idle blocks and, in hot, the blocks used since hot was last short) and the
+random sample of idle blocks and, in hot, the blocks used since hot was last short and the
+last such round's runners-up) and the
 policy picks which of them go down, and how far. Each policy ranks candidates by a score
 (lowest leaves first) and demotes enough to restore the head-room plus a batch
 (`batch_fraction`), so most rounds find nothing to do and a decision's cost is spread over a
@@ -34,6 +35,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,6 +58,7 @@ class PolicyParams:
     sample_per_victim: float = 2.0  # ... and per block to move out of hot
     warm_sample_per_victim: float = 1.0  # ... and per block to move out of warm
     lru_candidates: int = 32  # scoring policies: the store's least recently used ones
+    carry_per_victim: float = 1.0  # ... and hot's runners-up of the last round, per victim
 
     def max_moves(self, caps: Capacities) -> int:
         return max(1, int(self.window_fraction * caps.hot))
@@ -195,22 +198,37 @@ def _batch(stats: AccessStats, c: Candidates, idx: np.ndarray, src: Tier, dst: T
     return [MoveBatch(tuple(c.keys_at(stats, idx)), src, dst, reason, rows)]
 
 
+class Demotions(NamedTuple):
+    batches: list[MoveBatch]
+    runners_up: np.ndarray | None  # hot's candidates ranked next after its victims (rows)
+
+
 def _demotions(view: RoundView, stats: AccessStats, p: PolicyParams,
                score: Mapping[Tier, np.ndarray], reason: Reason, budget: _Budget, *,
-               direct_to_cold: bool, cold_below: float | None = None) -> list[MoveBatch]:
+               direct_to_cold: bool, cold_below: float | None = None) -> Demotions:
     """Demote the lowest-scored candidates until hot and warm have their head-room back.
 
     Hot victims go to warm; warm makes room for them and for its own head-room by sending its
     lowest-scored candidates to cold. With `direct_to_cold`, hot victims compete with warm's
     candidates for warm's slots, and those that lose go straight to cold; with `cold_below`,
     hot victims scored below it go straight to cold. Order: everything bound for cold first,
-    then hot -> warm, so every step fits."""
+    then hot -> warm, so every step fits.
+
+    Hot's runners-up (row candidates only): the `carry_per_victim` x its need candidates
+    ranked next after the victims that move. A sample finds a low-ranked block once; carried
+    to the next round, it is compared with that round's candidates too, so each round chooses
+    from more than its own sample (Redis's eviction pool), for a few hundred rows scored
+    again."""
     hot = view.victims.get(Tier.HOT, NO_CANDIDATES)
     warm = view.victims.get(Tier.WARM, NO_CANDIDATES)
     s_hot = score.get(Tier.HOT, np.zeros(0))
     s_warm = score.get(Tier.WARM, np.zeros(0))
-    n_hot = min(view.need(Tier.HOT, p), len(hot))
-    v_hot = budget.take(_lowest(s_hot, n_hot))
+    need = view.need(Tier.HOT, p)
+    n_hot = min(need, len(hot))
+    carry = int(p.carry_per_victim * need) if hot.keys is None else 0
+    ranked = _lowest(s_hot, min(n_hot + carry, len(hot)))
+    v_hot = budget.take(ranked[:n_hot])
+    runners = hot.rows[ranked[v_hot.size:]] if carry else None
     # warm room: its head-room once the hot victims have arrived
     cap_w = view.caps.warm
     short_w = (p.headroom(cap_w) + v_hot.size - view.free.get(Tier.WARM, 0)
@@ -234,9 +252,9 @@ def _demotions(view: RoundView, stats: AccessStats, p: PolicyParams,
     rest = v_hot[~out]
     to_warm = rest[:max(0, room_w)]
     hot_to_cold = np.concatenate([v_hot[out], rest[max(0, room_w):]])
-    return (_batch(stats, warm, from_warm, Tier.WARM, Tier.COLD, reason)
-            + _batch(stats, hot, hot_to_cold, Tier.HOT, Tier.COLD, reason)
-            + _batch(stats, hot, to_warm, Tier.HOT, Tier.WARM, reason))
+    return Demotions(_batch(stats, warm, from_warm, Tier.WARM, Tier.COLD, reason)
+                     + _batch(stats, hot, hot_to_cold, Tier.HOT, Tier.COLD, reason)
+                     + _batch(stats, hot, to_warm, Tier.HOT, Tier.WARM, reason), runners)
 
 
 def _promotions(view: RoundView, stats: AccessStats, p: PolicyParams, eligible: np.ndarray,
@@ -302,7 +320,7 @@ class LRUPolicy(PlacementPolicy):
         budget = _Budget(self.params.max_moves(view.caps))
         score = {t: np.arange(len(c), dtype=np.float64) for t, c in view.victims.items()}
         moves = _demotions(view, stats, self.params, score, Reason.LRU, budget,
-                           direct_to_cold=False)
+                           direct_to_cold=False).batches
         return Plan(tuple(moves), self.name, _considered(view))
 
 
@@ -327,9 +345,9 @@ class ReusePolicy(PlacementPolicy):
         score, at = {}, 0
         for t, r in zip(tiers, rows):  # each tier's share of `dens`, as views
             score[t], at = dens[at:at + r.size], at + r.size
-        moves = _demotions(view, stats, self.params, score, Reason.REUSE, budget,
-                           direct_to_cold=True)
-        return Plan(tuple(moves), self.name, _considered(view))
+        moves, runners = _demotions(view, stats, self.params, score, Reason.REUSE, budget,
+                                    direct_to_cold=True)
+        return Plan(tuple(moves), self.name, _considered(view), runners)
 
 
 class HeatPolicy(PlacementPolicy):
@@ -349,8 +367,8 @@ class HeatPolicy(PlacementPolicy):
         s_warm = score.get(Tier.WARM)
         # below what warm keeps (warm_factor x the mean heat of warm's candidates): cold
         bar = p.warm_factor * float(s_warm.mean()) if s_warm is not None and s_warm.size else None
-        moves = _demotions(view, stats, p, score, Reason.HEAT, budget, direct_to_cold=False,
-                           cold_below=bar)
+        moves, runners = _demotions(view, stats, p, score, Reason.HEAT, budget,
+                                    direct_to_cold=False, cold_below=bar)
         hot_enough = (h >= p.hot_factor * mean * (1.0 + p.hysteresis)) & (h > 0)
         at = view.wanted.at(stats, r.rows)
         wanted = at >= 0
@@ -363,7 +381,7 @@ class HeatPolicy(PlacementPolicy):
         # blocks also brings them up
         moves += _promotions(view, stats, p, wanted | hot_enough, h + np.where(wanted, 1e9, 0.0),
                              reasons, dst, _Budget(p.max_moves(view.caps)), moves)
-        return Plan(tuple(moves), self.name, _considered(view))
+        return Plan(tuple(moves), self.name, _considered(view), runners)
 
 
 class HeatPrefetchPolicy(HeatPolicy):

@@ -306,6 +306,7 @@ class PlacementService:
                 view = gather.view(now)
                 plan = self.policy.plan(view, self.stats, self.heat) \
                     if view.victims or self.policy.uses_heat else Plan((), self.policy.name)
+                gather.carry(plan.runners_up)
             t1 = time.thread_time()
             accessed = self.stats.accesses - self._accesses_seen
             self._accesses_seen = self.stats.accesses
