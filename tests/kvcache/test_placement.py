@@ -481,7 +481,8 @@ def test_reuse_hands_on_the_candidates_ranked_next_after_its_victims():
     assert len(runners) == need and set(runners) <= set(docs) and not set(runners) & set(moved)
     none = ReusePolicy(PolicyParams(headroom_fraction=0.03, batch_fraction=0.02,
                                     carry_per_victim=0.0)).plan(view, st, None)
-    assert none.runners_up is None and [m.key for m in none] == moved
+    assert none.runners_up is None and len(list(none)) == need  # the same count, no runners
+    assert {m.key for m in none} <= set(docs)
     keys = [key(i) for i in range(10)]
     lru_view = RoundView(0.0, Capacities(100, 100), {H: 1, W: 50},
                          {H: Candidates(np.zeros(0, np.int64), np.full(10, HOT, np.int8), keys)})

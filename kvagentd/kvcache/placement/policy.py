@@ -190,6 +190,23 @@ def _lowest(score: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def _lowest_then(score: np.ndarray, n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_lowest(score, n)`, and the indices of the `m` scores ranked next (in no order): one
+    partition at both ranks, so the `m` cost no sort."""
+    k = min(n + m, score.size)
+    if m <= 0 or k <= n:
+        return _lowest(score, n), np.zeros(0, dtype=np.intp)
+    if n <= 0:
+        nxt = np.argpartition(score, k - 1)[:k] if k < score.size else np.arange(score.size)
+        return np.zeros(0, dtype=np.intp), nxt
+    kth = (n - 1, k - 1) if k < score.size else (n - 1,)
+    part = np.argpartition(score, kth)
+    idx = part[:n]
+    idx.sort()  # as `_lowest`: ties in index order
+    out: np.ndarray = idx[np.argsort(score[idx], kind="stable")]
+    return out, part[n:k]
+
+
 def _batch(stats: AccessStats, c: Candidates, idx: np.ndarray, src: Tier, dst: Tier,
            reason: Reason) -> list[MoveBatch]:
     if idx.size == 0:
@@ -226,9 +243,9 @@ def _demotions(view: RoundView, stats: AccessStats, p: PolicyParams,
     need = view.need(Tier.HOT, p)
     n_hot = min(need, len(hot))
     carry = int(p.carry_per_victim * need) if hot.keys is None else 0
-    ranked = _lowest(s_hot, min(n_hot + carry, len(hot)))
-    v_hot = budget.take(ranked[:n_hot])
-    runners = hot.rows[ranked[v_hot.size:]] if carry else None
+    ranked, after = _lowest_then(s_hot, n_hot, carry)
+    v_hot = budget.take(ranked)
+    runners = hot.rows[np.concatenate([ranked[v_hot.size:], after])] if carry else None
     # warm room: its head-room once the hot victims have arrived
     cap_w = view.caps.warm
     short_w = (p.headroom(cap_w) + v_hot.size - view.free.get(Tier.WARM, 0)
