@@ -519,3 +519,18 @@ def test_the_next_round_that_makes_room_in_hot_looks_at_the_runners_up_again():
     cand = set(seen[0].tolist())
     assert set(runners[3:].tolist()) <= cand and not set(gone.tolist()) & cand
     assert env.svc.errors == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 6), max_size=40), st.integers(0, 45), st.integers(0, 45))
+def test_victims_and_runners_up_come_from_one_partition(scores, n, m):
+    """`_lowest_then`: the `n` lowest scores in order (as `_lowest`), then the `m` ranked next,
+    together the `n + m` lowest, no index twice."""
+    from kvagentd.kvcache.placement.policy import _lowest, _lowest_then
+    s = np.asarray(scores, dtype=np.float64)
+    first, after = _lowest_then(s, n, m)
+    assert s[first].tolist() == s[_lowest(s, n)].tolist()
+    assert first.size + after.size == min(n + m, s.size)
+    assert len(set(first.tolist()) | set(after.tolist())) == first.size + after.size
+    both = np.concatenate([s[first], s[after]])
+    assert sorted(both.tolist()) == sorted(s.tolist())[:both.size]
