@@ -354,7 +354,8 @@ class AccessStats:
         rec[:old] = self.rec
         self.rec = rec
         self._bind()
-        for name in ("tier", "live", "last_tick", "owner", "raised", "gen", "_scratch"):
+        for name in ("tier", "live", "last_tick", "owner", "raised", "gen", "_scratch",
+                     "_pending"):
             a = getattr(self, name)
             b = np.zeros(new, dtype=a.dtype)
             b[:old] = a
@@ -363,9 +364,6 @@ class AccessStats:
             grown = np.zeros(new, dtype=bool)
             grown[:old] = flag
             self._member[code] = grown
-        pending = np.zeros(new, dtype=bool)
-        pending[:old] = self._pending
-        self._pending = pending
         keys = np.full(new, None, dtype=object)
         keys[:old] = self.keys
         self.keys = keys
