@@ -26,7 +26,7 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -71,9 +71,14 @@ def _label(hot: float) -> str:
     return f"hot {100 * hot:g}%" if hot < 1 else f"hot {int(hot)} blocks"
 
 
+STEADY_HOURS = 3  # the steady-state case: the production-style service for this long
+
+
 def standard_cases(quick: bool, warm: float) -> list[tuple[str, Case]]:
     """(goal group, case): the production-style trace at 5 % and 10 % (goals), its ablation
-    without per-user pace, the edge agent, and the first traces."""
+    without per-user pace, the same service for `STEADY_HOURS` at the first hour's
+    capacities (the learned model past its cold start, and the conversations that come back
+    after an hour or more), the edge agent, and the first traces."""
     bb = 16 * BYTES_PER_TOKEN
     n = 1500 if quick else 12_000
     dur = 450.0 if quick else 3600.0
@@ -87,6 +92,12 @@ def standard_cases(quick: bool, warm: float) -> list[tuple[str, Case]]:
     if not quick:
         for hot in (0.05, 0.10):
             out.append(("ablation", Case(iid, _caps(iid, hot, warm), _label(hot), bb)))
+        long = multiturn(0, duration_s=STEADY_HOURS * dur, requests=STEADY_HOURS * n)
+        long = replace(long, name=f"multiturn-{STEADY_HOURS}h")
+        for hot in (0.05, 0.10):
+            caps = _caps(mt, hot, warm)  # the first hour's: the same box, running longer
+            out.append(("steady", Case(long, caps, f"hot {caps.hot} blocks "
+                                       f"({100 * hot:g}% of the first hour's)", bb)))
     for hot in (640.0, 960.0):  # 0.8x and 1.2x the ticking sessions' ~800 blocks
         out.append(("edge", Case(edge, _caps(edge, hot, warm), _label(hot), bb)))
     out.append(("seed", Case(seed, Capacities(400, 140), "hot 400 blocks", bb)))
