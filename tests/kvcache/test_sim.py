@@ -300,3 +300,27 @@ def test_the_sim_store_reads_ids_from_its_own_keys_and_looks_up_others():
     named = [f"k{i}".encode() for i in range(10)]
     other = SimStore(caps, 10, named, clock=lambda: 0.0)
     assert other.ids_of([named[3], b"k99"]).tolist() == [3, -1]
+
+
+def test_the_ceiling_over_hours_keeps_the_first_hours_capacities(tmp_path, monkeypatch):
+    import json
+
+    import bench.common
+    import bench.placement_ceiling as pc
+    from bench.placement import _caps
+
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        pc.main(["--quick", "--hours", "0"])
+    assert exc.value.code == 2
+    pc.main(["--quick", "--hours", "2"])
+    assert [p.name for p in tmp_path.iterdir()] == ["placement_ceiling-2h.json"]
+    doc = json.loads((tmp_path / "placement_ceiling-2h.json").read_text())
+    first = multiturn_with_truth(0, duration_s=450.0, requests=1500)[0]
+    longer = multiturn_with_truth(0, duration_s=900.0, requests=3000)[0]
+    five = doc["figures"]["hot 5% of the first hour's"]
+    assert five["hot_blocks"] == _caps(first, 0.05, 0.35).hot != _caps(longer, 0.05, 0.35).hot
+    assert doc["figures"]["trace"]["requests"] == len(longer)
+    assert "--hours 2" in doc["command"]
+    for model in ("learned", "causal", "clairvoyant"):
+        assert 0.0 < five[model] <= five["optimum"]  # no policy beats MIN
