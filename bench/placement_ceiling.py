@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = ()) -> int:
                          f"{100 * gap:.1f}%"])
             print(f"  {label} {name}: {100 * gap:.1f}% of the gap", file=sys.stderr, flush=True)
     print_table(["capacity", "policy (model)", "hot/re", "OPT hot/re", "gap closed"], rows,
-                title=f"multiturn, {args.hours} h ({len(trace)} requests): the reuse score "
+                title=f"multiturn, {args.hours * dur / 3600:g} h ({len(trace)} requests): the reuse score "
                       "with a learned, "
                       "a causal and a clairvoyant model")
     five = figures[rows[0][0]]
