@@ -87,15 +87,15 @@ def standard_cases(quick: bool, warm: float) -> list[tuple[str, Case]]:
     edge = edge_agent(0, duration_s=600.0 if quick else 3600.0)
     seed = seed_workload(0, duration_s=600.0 if quick else 3600.0)
     out = []
-    for hot in (0.05, 0.10):
-        out.append(("multiturn", Case(mt, _caps(mt, hot, warm), _label(hot), bb)))
+    mt_caps = {hot: _caps(mt, hot, warm) for hot in (0.05, 0.10)}
+    for hot, caps in mt_caps.items():
+        out.append(("multiturn", Case(mt, caps, _label(hot), bb)))
     if not quick:
         for hot in (0.05, 0.10):
             out.append(("ablation", Case(iid, _caps(iid, hot, warm), _label(hot), bb)))
         long = multiturn(0, duration_s=STEADY_HOURS * dur, requests=STEADY_HOURS * n)
         long = replace(long, name=f"multiturn-{STEADY_HOURS}h")
-        for hot in (0.05, 0.10):
-            caps = _caps(mt, hot, warm)  # the first hour's: the same box, running longer
+        for hot, caps in mt_caps.items():  # the first hour's: the same box, running longer
             out.append(("steady", Case(long, caps, f"hot {caps.hot} blocks "
                                        f"({100 * hot:g}% of the first hour's)", bb)))
     for hot in (640.0, 960.0):  # 0.8x and 1.2x the ticking sessions' ~800 blocks

@@ -135,11 +135,12 @@ def main(argv: Sequence[str] | None = ()) -> int:
     bb = 16 * BYTES_PER_TOKEN
     figures: dict[str, dict[str, float]] = {}
     rows = []
+    of_first = " of the first hour's" if args.hours > 1 else ""
     for hot in (0.05, 0.10):
         caps = _caps(first_hour, hot, 0.35)  # with --hours, the same box running longer
         opt = belady(trace.blocks, caps.hot).hit_rate_reaccess
         lru = simulate(trace, "lru", caps, block_bytes=bb).hot_hit_rate_reaccess
-        label = f"hot {100 * hot:g}%" + (" of the first hour's" if args.hours > 1 else "")
+        label = f"hot {100 * hot:g}%{of_first}"
         figures[label] = {"lru": lru, "optimum": opt, "hot_blocks": caps.hot}
         rows.append([label, "lru", f"{100 * lru:.1f}%", f"{100 * opt:.1f}%", "-"])
         for name, model in models.items():
@@ -153,10 +154,9 @@ def main(argv: Sequence[str] | None = ()) -> int:
                          f"{100 * gap:.1f}%"])
             print(f"  {label} {name}: {100 * gap:.1f}% of the gap", file=sys.stderr, flush=True)
     print_table(["capacity", "policy (model)", "hot/re", "OPT hot/re", "gap closed"], rows,
-                title=f"multiturn, {args.hours * dur / 3600:g} h ({len(trace)} requests): the reuse score "
-                      "with a learned, "
-                      "a causal and a clairvoyant model")
-    five = figures[rows[0][0]]
+                title=f"multiturn, {args.hours * dur / 3600:g} h ({len(trace)} requests): "
+                      "the reuse score with a learned, a causal and a clairvoyant model")
+    five = figures[f"hot 5%{of_first}"]
     name = "placement_ceiling" + (f"-{args.hours}h" if args.hours > 1 else "")
     result = Result(name, "OMP_NUM_THREADS=1 python -m bench.placement_ceiling"
                     + (" --quick" if args.quick else "")
