@@ -184,7 +184,11 @@ def _lowest(score: np.ndarray, n: int) -> np.ndarray:
         return np.zeros(0, dtype=np.intp)
     if n >= score.size:
         return np.argsort(score, kind="stable")
-    idx = np.argpartition(score, n - 1)[:n]
+    return _ranked(score, np.argpartition(score, n - 1)[:n])
+
+
+def _ranked(score: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """`idx` (the `n` lowest, from a partition) lowest score first, ties in index order."""
     idx.sort()  # index order first, so the stable sort breaks ties by index
     out: np.ndarray = idx[np.argsort(score[idx], kind="stable")]
     return out
@@ -201,10 +205,7 @@ def _lowest_then(score: np.ndarray, n: int, m: int) -> tuple[np.ndarray, np.ndar
         return np.zeros(0, dtype=np.intp), nxt
     kth = (n - 1, k - 1) if k < score.size else (n - 1,)
     part = np.argpartition(score, kth)
-    idx = part[:n]
-    idx.sort()  # as `_lowest`: ties in index order
-    out: np.ndarray = idx[np.argsort(score[idx], kind="stable")]
-    return out, part[n:k]
+    return _ranked(score, part[:n]), part[n:k]
 
 
 def _batch(stats: AccessStats, c: Candidates, idx: np.ndarray, src: Tier, dst: Tier,
