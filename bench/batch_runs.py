@@ -20,7 +20,8 @@ from kvagentd.config import AgentConfig, AssetConfig, ExecutorConfig, FaultConfi
 from kvagentd.engine.executor import GenerationRequest, Job, Priority
 from kvagentd.engine.model import LoadedModel, model_geometry
 from kvagentd.engine.service import Engine
-from kvagentd.engine.sessions import Session
+from kvagentd.engine.sessions import ChatFormat, Session
+from kvagentd.engine.threads import in_pool
 from kvagentd.kvcache.base import ColdListener
 from kvagentd.kvcache.cold.store import ColdStore
 from kvagentd.kvcache.keys import make_namespace
@@ -92,7 +93,11 @@ class StepLog:
 
     def figures(self) -> dict[str, Any]:
         dec = [(s, d) for s, t, d in self.steps if t == s]
+        top = max((s for s, _ in dec), default=0)
+        full = [d for s, d in dec if s == top]
         return {"steps": len(self.steps),
+                "full_batch": top,
+                "full_decode_step_ms_p50": 1e3 * statistics.median(full) if full else 0.0,
                 "mean_batch": statistics.fmean(s for s, _, _ in self.steps) if self.steps else 0,
                 "decode_tok_s": sum(s for s, _ in dec) / sum(d for _, d in dec) if dec else 0.0,
                 "decode_step_ms_p50": 1e3 * statistics.median(d for _, d in dec) if dec else 0.0,
@@ -107,11 +112,18 @@ def run_jobs(submit: Callable[[], list[Job]]) -> tuple[list[Any], float]:
     return results, time.perf_counter() - t0
 
 
+def spread(n: int, hist: tuple[int, int]) -> list[int]:
+    """n history lengths spread evenly over `hist[0]`..`hist[1]` (one: their middle)."""
+    lo, hi = hist
+    if n == 1:
+        return [(lo + hi) // 2]
+    return [lo + (hi - lo) * i // (n - 1) for i in range(n)]
+
+
 def sessions(lm: LoadedModel, root: Path, n: int, hist: tuple[int, int], new: int,
              max_batch: int) -> dict[str, Any]:
     """n sessions with stored histories of `hist[0]`..`hist[1]` tokens ask one turn at once."""
-    lo, hi = hist
-    lengths = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+    lengths = spread(n, hist)
     with engine_for(lm, root, hot_tokens=sum(lengths) + n * (new + 96),
                     max_batch=max_batch) as (eng, _):
         for i, length in enumerate(lengths):  # setup: store every history's blocks (not timed)
@@ -161,11 +173,13 @@ def fresh_engine(lm: LoadedModel, root: Path, prompts: list[list[int]], new: int
 
 
 def hf_generate(lm: LoadedModel, prompts: list[list[int]], new: int) -> dict[str, Any]:
-    """transformers' `generate` over one left-padded batch (sdpa, DynamicCache)."""
+    """transformers' `generate` over one left-padded batch (sdpa, DynamicCache), in a thread
+    that owns the intra-op pool as the engine's worker does (`engine/threads.py`). Each
+    decode step is timed from one logits-processor call to the next."""
     import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     model, tok = lm.model, lm.tokenizer
-    model.set_attn_implementation("sdpa")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -173,13 +187,30 @@ def hf_generate(lm: LoadedModel, prompts: list[list[int]], new: int) -> dict[str
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=pad)
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            stamps.append(time.perf_counter())
+            return scores
+
+    def run() -> tuple[Any, float]:
+        model.set_attn_implementation("sdpa")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=pad,
+                                 logits_processor=LogitsProcessorList([Stamp()]))
+        return out, t0
+
+    out, t0 = in_pool(run, lm.threads)
     wall = time.perf_counter() - t0
     gen = int(out[:, width:].numel())  # min_new_tokens: every row decodes `new` tokens
-    return {"generated": gen, "wall_s": wall, "tok_s": gen / wall}
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    step = statistics.median(steps) if steps else float("nan")
+    return {"generated": gen, "wall_s": wall, "tok_s": gen / wall, "rows": len(prompts),
+            "width": width, "prefill_s": stamps[0] - t0 if stamps else None,
+            "decode_step_ms_p50": 1e3 * step, "decode_tok_s": len(prompts) / step}
 
 
 def hf_generate_batch(lm: LoadedModel, prompts: list[list[int]], new: int) -> dict[str, Any]:
@@ -188,18 +219,101 @@ def hf_generate_batch(lm: LoadedModel, prompts: list[list[int]], new: int) -> di
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model, tok = lm.model, lm.tokenizer
-    model.set_attn_implementation("sdpa")
     page = 64
     blocks = sum(-(-(len(p) + new) // page) for p in prompts) + 4
     cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1,  # -1: no stop
                            pad_token_id=tok.pad_token_id or 0)
     cb = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=256, page_size=page)
-    t0 = time.perf_counter()
-    out = model.generate_batch(inputs=prompts, generation_config=cfg,
-                               continuous_batching_config=cb, warmup=False)
+
+    def run() -> tuple[Any, float]:
+        model.set_attn_implementation("sdpa")
+        t0 = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=cfg,
+                                   continuous_batching_config=cb, warmup=False)
+        return out, t0
+
+    out, t0 = in_pool(run, lm.threads)
     wall = time.perf_counter() - t0
     gen = sum(len(o.generated_tokens) for o in out.values())
     return {"generated": gen, "wall_s": wall, "tok_s": gen / wall}
+
+
+def turn_ids(lm: LoadedModel, history: list[int], text: str) -> list[int]:
+    """The ids the engine runs for `text` asked in a session holding `history`."""
+    return history + ChatFormat(lm.tokenizer).next_turn(text)
+
+
+def hf_prefill(lm: LoadedModel, prompts: list[list[int]]) -> dict[str, Any]:
+    """transformers' one-shot prefill of each prompt alone (logits of the last token only),
+    in a thread that owns the intra-op pool; the median of the prompts."""
+    import torch
+
+    def run() -> list[float]:
+        lm.model.set_attn_implementation("sdpa")
+        out = []
+        with torch.no_grad():
+            for p in prompts:
+                t0 = time.perf_counter()
+                lm.model(input_ids=torch.tensor([p]), logits_to_keep=1)
+                out.append(time.perf_counter() - t0)
+        return out
+
+    times = in_pool(run, lm.threads)
+    s = statistics.median(times)
+    return {"tokens": statistics.fmean(len(p) for p in prompts), "prefill_s": s,
+            "tok_s": statistics.fmean(len(p) for p in prompts) / s, "all_s": times}
+
+
+def engine_prefill(lm: LoadedModel, root: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    """Each prompt alone as a new session's whole input (nothing stored): time from
+    admission to its first token, the median of the prompts."""
+    total = max(len(p) for p in prompts) + 64
+    with engine_for(lm, root, hot_tokens=len(prompts) * total) as (eng, _):
+        decode_all(eng)
+        log = StepLog(eng)
+        times = []
+        for i, p in enumerate(prompts):
+            eng.table.save(Session(f"prefill{i}", p))
+            r = eng.submit(GenerationRequest(f"prefill{i}", None, None, 1,
+                                             Priority.TICK)).result()
+            times.append(r.ttft_s)
+        steps = [t for _, t, _ in log.steps]
+    s = statistics.median(times)
+    return {"tokens": statistics.fmean(len(p) for p in prompts), "prefill_s": s,
+            "tok_s": statistics.fmean(len(p) for p in prompts) / s, "all_s": times,
+            "steps_per_prompt": len(steps) / len(prompts)}
+
+
+def bandwidth(threads: int) -> dict[str, float]:
+    """Memory bandwidth of this machine now, in the engine's thread setting: a 512 MiB copy
+    (bytes copied per second) and a 512 MiB read (sum), best of three each."""
+    import torch
+
+    def run() -> dict[str, float]:
+        src = torch.ones(128 << 20)
+        dst = torch.zeros(128 << 20)
+        n = src.numel() * src.element_size()
+        copy, read = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            copy.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            src.sum()
+            read.append(time.perf_counter() - t0)
+        return {"copy_gb_s": n / min(copy) / 1e9, "read_gb_s": n / min(read) / 1e9}
+
+    return in_pool(run, threads)
+
+
+def weight_bytes(lm: LoadedModel) -> int:
+    """Bytes of the model's parameters (a tied embedding counted once)."""
+    return sum(p.numel() * p.element_size() for p in lm.model.parameters())
+
+
+def kv_bytes_per_token(lm: LoadedModel) -> int:
+    g = model_geometry(lm.model, BLOCK_TOKENS, lm.dtype)
+    return g.block_bytes // BLOCK_TOKENS
 
 
 def agent_config(n: int, **kw: Any) -> AgentConfig:
@@ -247,16 +361,22 @@ def assets(lm: LoadedModel, root: Path, n: int, seconds: float, max_batch: int
         lat = np.asarray([x for st in states for x in st.latencies], dtype=float)
         skipped = sum(st.skipped + st.missed for st in states)
         errors = sum(st.llm_errors for st in states)
+        ticks = sum(st.ticks for st in states)
+        commented = sum(st.commentaries for st in states)
+        shown = sum(st.commentaries - st.withheld for st in states)
         cut = eng.metrics.registry.get_sample_value(
             "kvagentd_engine_requests_total", {"priority": "tick", "outcome": "deadline"}) or 0
         figures = log.figures()
+        turn = [st.turn_tokens for st in states]
+    share = commented / ticks if ticks else 0.0
     return {"assets": n, "max_batch": max_batch, "seconds": seconds, "ticks": int(lat.size),
             "expected_ticks": int(n * seconds / 3.0), "skipped": skipped, "llm_errors": errors,
-            "cut_at_deadline": int(cut),
+            "cut_at_deadline": int(cut), "commented_share": share,
+            "shown_share": shown / ticks if ticks else 0.0, "turn_tokens_last": turn,
             "p50_s": float(np.percentile(lat, 50)) if lat.size else None,
             "p99_s": float(np.percentile(lat, 99)) if lat.size else None,
             "ok": bool(lat.size) and float(np.percentile(lat, 99)) < 3.0 and skipped == 0
-            and errors == 0 and cut == 0, **figures}
+            and errors == 0 and share >= 0.9, **figures}
 
 
 def fairness(lm: LoadedModel, root: Path, n: int, warmup_s: float, max_batch: int,
@@ -302,14 +422,16 @@ def record_ticks(lm: LoadedModel, root: Path, n: int, seconds: float
     submit time (a session's ticks run one after the other, so those ids are final)."""
     recorded: list[tuple[list[int], GenerationRequest]] = []
     with agent_for(lm, root, n, 16) as (_, eng, _store):
-        submit = eng.executor.submit
+        submit_all = eng.executor.submit_all
 
-        def recording(req: GenerationRequest) -> Job:
-            s = eng.table.get(req.session)
-            recorded.append((list(s.token_ids) if s else [], req))
-            return submit(req)
+        def recording(reqs: Any) -> Any:
+            reqs = list(reqs)
+            for req in reqs:
+                s = eng.table.get(req.session)
+                recorded.append((list(s.token_ids) if s else [], req))
+            return submit_all(reqs)
 
-        eng.executor.submit = recording  # type: ignore[method-assign]
+        eng.executor.submit_all = recording  # type: ignore[method-assign]
         time.sleep(seconds)
     return recorded
 
@@ -327,3 +449,26 @@ def replay_ticks(lm: LoadedModel, root: Path, ticks: list[tuple[list[int], Gener
             for k, (_, r) in enumerate(ticks)])
     return {"texts": [r.text for r in res], "wall_s": wall,
             "generated": sum(r.new_tokens for r in res)}
+
+
+def first_logits_error(ref: LoadedModel, other: LoadedModel,
+                       ticks: list[tuple[list[int], GenerationRequest]]) -> float:
+    """Largest |difference| of the first-token logits of `other` against `ref` over the ticks'
+    full prompts (session ids + the tick's turn), each model in a pool thread of its own."""
+    import torch
+
+    chat = ChatFormat(ref.tokenizer)
+    prompts = []
+    for ids, req in ticks:
+        text = req.text or ""
+        prompts.append(ids + chat.next_turn(text) if ids else chat.first_turn(req.system, text))
+
+    def logits(lm: LoadedModel) -> list[Any]:
+        lm.model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            return [lm.model(input_ids=torch.tensor([p]), logits_to_keep=1).logits[0, -1].float()
+                    for p in prompts]
+
+    a = in_pool(lambda: logits(ref), ref.threads)
+    b = in_pool(lambda: logits(other), other.threads)
+    return max((float((x - y).abs().max()) for x, y in zip(a, b)), default=0.0)

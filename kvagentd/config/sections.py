@@ -81,7 +81,10 @@ class ModelConfig:
     path: Path | None = None  # hf_dir: a directory; gguf: a .gguf file
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int = field(default=0, metadata=_rng(0, 1024))  # 0 = torch default
+    threads: int = field(default=0, metadata=_rng(0, 1024))  # 0 = every CPU of the process
+    # int8: the Linear layers' weights int8, activations quantized per step (torch's dynamic
+    # quantization: fbgemm, VNNI where the CPU has it); CPU only
+    quantize: Literal["none", "int8"] = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,13 +131,21 @@ class ExecutorConfig:
     ask_max_tokens: int = field(default=128, metadata=_rng(1, 32768))
     ask_deadline_s: float = field(default=120.0, metadata=_rng(0.1, 86400.0))
     report_deadline_s: float = field(default=600.0, metadata=_rng(0.1, 86400.0))
-    # continuous batching: sequences per step, tokens per step, prefill chunk per sequence
+    # continuous batching: sequences per step, tokens per step while decodes wait, prefill
+    # chunk per sequence while decodes wait; a step with no decode waiting (a lone prefill)
+    # runs up to prefill_tokens at once, as a one-shot prefill does
     max_batch: int = field(default=16, metadata=_rng(1, 1024))
     step_tokens: int = field(default=256, metadata=_rng(1, 65536))
     prefill_chunk: int = field(default=256, metadata=_rng(1, 65536))
+    prefill_tokens: int = field(default=4096, metadata=_rng(1, 1 << 20))
     aging_s: float = field(default=10.0, metadata=_rng(0.0, 86400.0))  # 0 = strict priority
-    # memory a running batch holds beyond the hot pool (working copies or attention scratch)
-    batch_memory_bytes: ByteSize = field(default=ByteSize(2 << 30), metadata=_rng(1 << 20, None))
+    # memory a running batch holds beyond the hot pool: the batch workspace (max_batch rows of
+    # row_tokens, taken at start) and the working copies of longer sequences (or the paged
+    # layout's attention scratch)
+    batch_memory_bytes: ByteSize = field(default=ByteSize(3 << 30), metadata=_rng(1 << 20, None))
+    # a row of the batch workspace holds a sequence of up to this many tokens (an agent
+    # session: agent.session_token_budget 1536 plus a turn); 0: no batch workspace
+    row_tokens: int = field(default=2048, metadata=_rng(0, 1 << 20))
     kv_layout: Literal["auto", "contiguous", "paged"] = "auto"  # auto: paged on CUDA
     # a working copy of this many tokens made ready (its pages taken) at start, contiguous
     # layout only; 0: none. A fresh daemon's first long request otherwise paged it in first.

@@ -6,8 +6,9 @@ the batch) -> allocate_hot(every block it will compute) -> its KV (`SequenceKV`)
 slots. `commit` publishes the blocks it completed; `release` gives everything back (after a
 commit, a preempted sequence resumes from whichever tier then holds its blocks).
 
-Memory beyond the hot pool, counted against `budget_bytes`: the contiguous layout's working
-copies (one per running sequence), or the paged layout's one-layer gather scratch.
+Memory beyond the hot pool, counted against `budget_bytes`: the contiguous layout's batch
+workspace (`rows.py`: one row per running sequence that fits one, taken at start) and the
+private working copies of longer sequences, or the paged layout's one-layer gather scratch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import structlog
 from kvagentd.engine.cache import HotPoolCache, Workspaces
 from kvagentd.engine.kv import SequenceKV
 from kvagentd.engine.paged import PagedKV, PagedScratch
+from kvagentd.engine.rows import BatchRows
 from kvagentd.engine.scheduler import Need, Resources
 from kvagentd.engine.sequence import Sequence
 from kvagentd.kvcache.base import BlockKey, KVStore
@@ -38,14 +40,23 @@ class BlockManager:
     """Admission of sequences onto hot blocks; not thread-safe (the model worker calls it)."""
 
     def __init__(self, store: KVStore, *, layout: Layout, budget_bytes: int,
+                 rows: BatchRows | None = None,
                  on_recompute: Callable[[int], None] | None = None) -> None:
         self.store = store
         self.geometry = store.geometry
         self.arena = store.hot_arena()
         self.layout = layout
         self.budget_bytes = budget_bytes
+        self.rows = rows if layout == "contiguous" else None
+        self.rows_bytes = self.rows.nbytes() if self.rows is not None else 0
+        if self.rows_bytes > budget_bytes:
+            raise BatchMemoryExceeded(
+                f"the batch workspace ({self.rows_bytes} bytes) exceeds "
+                f"executor.batch_memory_bytes ({budget_bytes})")
         self.on_recompute = on_recompute
-        self.workspaces = Workspaces(self.geometry, self.arena.device, budget_bytes)
+        # the private working copies of sequences longer than a row share what rows leave
+        self.workspaces = Workspaces(self.geometry, self.arena.device,
+                                     budget_bytes - self.rows_bytes)
         self.scratch = PagedScratch(self.geometry, self.arena.device)
         self.held_blocks = 0
 
@@ -57,6 +68,8 @@ class BlockManager:
         a re-run block (paged)."""
         total, bt = seq.final_tokens, self.geometry.block_tokens
         if self.layout == "contiguous":
+            if self.rows is not None and self.rows.fits(total):
+                return Need(total // bt, 0)  # a row: every running sequence can have one
             return Need(total // bt, self.workspaces.bytes_for(total))
         return Need(-(-total // bt) + 1, 0)
 
@@ -64,11 +77,16 @@ class BlockManager:
         cap = int(self.arena.shape[0])
         used = (self.workspaces.in_use_bytes() if self.layout == "contiguous"
                 else self.scratch.nbytes())
-        return Resources(cap, cap - self.held_blocks, self.budget_bytes,
-                         max(0, self.budget_bytes - used))
+        room = self.budget_bytes - self.rows_bytes
+        return Resources(cap, cap - self.held_blocks, room, max(0, room - used))
 
     def status(self) -> dict[str, Any]:
+        rows = self.rows
         return {"layout": self.layout, "budget_bytes": self.budget_bytes,
+                "batch_rows": rows.rows if rows is not None else 0,
+                "row_tokens": rows.row_tokens if rows is not None else 0,
+                "rows_in_use": rows.in_use if rows is not None else 0,
+                "rows_bytes": self.rows_bytes,
                 "working_copy_bytes": self.workspaces.in_use_bytes(),
                 "idle_buffer_bytes": self.workspaces.nbytes(),
                 "paged_scratch_bytes": self.scratch.nbytes(),
@@ -159,14 +177,30 @@ class BlockManager:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _row_cache(self, total: int) -> HotPoolCache | None:
+        """A working copy in a free row of the batch workspace, when `total` tokens fit one."""
+        rows = self.rows
+        if rows is None or not rows.fits(total):
+            return None
+        g, arena = self.geometry, self.arena
+
+        def bind(row: int, work: Any) -> HotPoolCache:
+            return HotPoolCache(g, arena, work, rows=rows, row=row)
+
+        owner = rows.acquire(bind)
+        assert owner is None or isinstance(owner, HotPoolCache)
+        return owner
+
     def _bind(self, seq: Sequence, usable: list[int], slots: list[int], all_cached: bool,
               total: int) -> SequenceKV | None:
         g, n_ids = self.geometry, len(seq.tokens)
         if self.layout == "contiguous":
-            work = self.workspaces.acquire(total)
-            if work is None:
-                return None
-            cache = HotPoolCache(g, self.arena, work, workspaces=self.workspaces)
+            cache = self._row_cache(total)
+            if cache is None:
+                work = self.workspaces.acquire(total)
+                if work is None:
+                    return None
+                cache = HotPoolCache(g, self.arena, work, workspaces=self.workspaces)
             cache.load_blocks(usable)
             if all_cached:  # every id is stored: re-run the last one for its logits
                 cache.truncate(n_ids - 1)

@@ -29,6 +29,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
+from kvagentd.engine.rows import BatchRows
 from kvagentd.kvcache.base import KVGeometry
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -200,11 +201,14 @@ class HotPoolCache(Cache):
     """
 
     def __init__(self, geometry: KVGeometry, arena: torch.Tensor | None,
-                 work: torch.Tensor, *, workspaces: Workspaces | None = None) -> None:
+                 work: torch.Tensor, *, workspaces: Workspaces | None = None,
+                 rows: BatchRows | None = None, row: int | None = None) -> None:
         self.geometry = geometry
         self.arena = arena
         self.work = work
         self.workspaces = workspaces
+        self.rows = rows  # with `row`: the working copy is that row of the batch workspace
+        self.row = row
         self.pool_layers = [HotPoolLayer(self, i) for i in range(geometry.num_layers)]
         layers: list[CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer] = [
             *self.pool_layers]
@@ -252,6 +256,17 @@ class HotPoolCache(Cache):
         if self.workspaces is not None:
             self.workspaces.release(self.work)
             self.workspaces = None
+        if self.rows is not None and self.row is not None:
+            rows, row = self.rows, self.row
+            self.rows = self.row = None
+            rows.release(row)
+
+    def rebind(self, row: int, work: torch.Tensor) -> None:
+        """The batch workspace moved this sequence's KV to row `row` (`work` is its view)."""
+        self.row = row
+        self.work = work
+        for layer in self.pool_layers:
+            layer._bind()
 
     # -- SequenceKV (the batched step) ------------------------------------------------------
 
@@ -285,7 +300,8 @@ class HotPoolCache(Cache):
             layer._bind()
 
     def nbytes(self) -> int:
-        return _nbytes(self.work)
+        """Bytes held beyond the hot pool and the batch workspace (a row is counted there)."""
+        return 0 if self.row is not None else _nbytes(self.work)
 
     def close(self) -> None:
         self.release_workspace()
@@ -322,6 +338,9 @@ class HotPoolCache(Cache):
             self._stored_blocks += 1
 
     def _grow(self, tokens: int) -> None:
+        if self.row is not None:
+            raise HotPoolExhausted(f"{tokens} tokens do not fit a batch row of "
+                                   f"{self.work.shape[4]}")
         g = self.geometry
         cap = self.work.shape[4]
         while cap < tokens:

@@ -33,6 +33,7 @@ from kvagentd.engine.runner import ModelRunner
 from kvagentd.engine.scheduler import Need, Scheduler, SchedulerConfig
 from kvagentd.engine.sequence import Sequence
 from kvagentd.engine.sessions import ChatFormat, Session, SessionStore
+from kvagentd.engine.threads import own_pool
 
 __all__ = ["Executor", "GenerationRequest", "HotPoolFull", "Job", "JobNotRun", "Priority",
            "QueueFull"]
@@ -60,7 +61,7 @@ class Executor:
 
     def __init__(self, runner: ModelRunner, blocks: BlockManager, sessions: SessionStore,
                  chat: ChatFormat, tokenizer: Any, config: ExecutorConfig, *,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, threads: int = 1) -> None:
         self.runner = runner
         self.blocks = blocks
         self.sessions = sessions
@@ -69,7 +70,9 @@ class Executor:
         self.config = config
         self.metrics = metrics
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.step_tokens,
-                                                   config.prefill_chunk, config.aging_s))
+                                                   config.prefill_chunk, config.aging_s,
+                                                   config.prefill_tokens))
+        self.threads = threads
         self._cond = threading.Condition()
         self._queued: list[Job] = []  # submitted, not yet seen by the worker
         self._waiting: list[Sequence] = []  # not running: new, or preempted
@@ -175,6 +178,7 @@ class Executor:
     # -- worker -----------------------------------------------------------------------------
 
     def _worker(self) -> None:
+        own_pool(self.threads)  # the one thread that computes with several cores
         while True:
             with self._cond:
                 while not (self._queued or self._waiting or self._running or self._stopping):

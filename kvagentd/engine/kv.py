@@ -1,8 +1,9 @@
 """The contract of one sequence's KV storage in the batched step.
 
-Two implementations: `cache.HotPoolCache` (a contiguous working copy whose full blocks are
-written back to private hot slots: the CPU layout) and `paged.PagedKV` (reads and writes the
-hot pool's blocks in place through a block table: the CUDA layout, no second copy).
+Two implementations: `cache.HotPoolCache` (a contiguous working copy, a row of the batch
+workspace or a private buffer, whose full blocks are written back to private hot slots: the
+CPU layout) and `paged.PagedKV` (reads and writes the hot pool's blocks in place through a
+block table: the CUDA layout, no second copy).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ class SequenceKV(Protocol):
     """
 
     written: list[tuple[int, int]]
+
+    @property
+    def row(self) -> int | None:
+        """Its row in the batch workspace (`rows.py`), or None when its KV lives elsewhere."""
 
     @property
     def length(self) -> int:

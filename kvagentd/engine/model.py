@@ -26,6 +26,7 @@ import xxhash
 
 from kvagentd import log as logsetup
 from kvagentd.config import ModelConfig
+from kvagentd.engine.threads import in_pool
 from kvagentd.kvcache.base import KVGeometry
 
 log = structlog.get_logger(__name__)
@@ -52,6 +53,7 @@ class LoadedModel:
     device: torch.device
     source: str  # what was loaded, for status
     load_s: float
+    threads: int = 1  # intra-op threads of the model worker (`threads.py`)
 
     @property
     def name(self) -> str:
@@ -86,6 +88,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, as systemd's CPUAffinity= sets it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -124,30 +134,37 @@ def load_model(cfg: ModelConfig, cache_dir: Path) -> LoadedModel:
     # transformers' records through the daemon's log; no progress bars inside JSON logs.
     logsetup.route_library_logs(progress_bars=logsetup.progress_bars_wanted())
     t0 = time.perf_counter()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    threads = cfg.threads or available_cpus()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.source == "embedded":
-        hf_dir = converted_dir(embedded_gguf_path(), Path(cache_dir))
+        gguf = embedded_gguf_path()
+        hf_dir = in_pool(lambda: converted_dir(gguf, Path(cache_dir)), threads)
     elif cfg.source == "gguf":
         path = Path(cfg.path) if cfg.path else None
         if path is None or not path.is_file():
             raise ModelNotFound(f"model.path {path} is not a GGUF file; point model.path at a "
                                 f".gguf file or use model.source = 'embedded' ({INSTALL_HINT})")
-        hf_dir = converted_dir(path, Path(cache_dir))
+        hf_dir = in_pool(lambda: converted_dir(path, Path(cache_dir)), threads)
     else:
         hf_dir = Path(cfg.path) if cfg.path else Path("<unset>")
         if not (hf_dir / "config.json").is_file():
             raise ModelNotFound(f"model.path {hf_dir} is not a Hugging Face model directory "
                                 f"(no config.json); models are never downloaded; {INSTALL_HINT} "
                                 f"and use model.source = 'embedded'")
-    model, tokenizer = load_hf_dir(hf_dir, dtype, device)
+    if cfg.quantize == "int8" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"model.quantize = 'int8' runs on the CPU with float32 activations; "
+                         f"this model would load as {str(dtype)[6:]} on {device.type}")
+    # NOTE: in a thread of its own, so the caller never starts an OpenMP team (threads.py)
+    model, tokenizer = in_pool(lambda: load_hf_dir(hf_dir, dtype, device), threads)
     fp = fingerprint(hf_dir)
+    if cfg.quantize == "int8":
+        in_pool(lambda: quantize_int8(model), threads)
+        fp = xxhash.xxh3_128_hexdigest(f"{fp}:int8-dynamic:{torch.__version__}".encode())
     elapsed = time.perf_counter() - t0
     log.info("model_loaded", source=cfg.source, path=str(hf_dir), dtype=str(dtype),
              device=str(device), fingerprint=fp[:16], seconds=round(elapsed, 2))
-    return LoadedModel(model, tokenizer, fp, dtype, device, str(hf_dir), elapsed)
+    return LoadedModel(model, tokenizer, fp, dtype, device, str(hf_dir), elapsed, threads)
 
 
 def load_hf_dir(hf_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
@@ -161,6 +178,15 @@ def load_hf_dir(hf_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple
     m.eval()
     m.requires_grad_(False)
     return m, tokenizer
+
+
+def quantize_int8(model: Any) -> None:
+    """Every Linear layer to int8 weights, activations quantized per call (torch's dynamic
+    quantization: fbgemm, with VNNI where the CPU has it), in place. A tied output head gets
+    its own int8 copy; the embedding table stays as it is."""
+    from torch.ao.quantization import quantize_dynamic
+
+    quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)  # type: ignore[no-untyped-call]
 
 
 def converted_dir(gguf: Path, cache_dir: Path) -> Path:

@@ -94,6 +94,10 @@ class PagedKV:
     def length(self) -> int:
         return self._length
 
+    @property
+    def row(self) -> int | None:
+        return None  # read in place through the block table, never a batch row
+
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write `key`/`value` (`(kv_heads, t, head_dim)`) of `layer` at `length` on."""
         bt, t, i = self.geometry.block_tokens, key.shape[-2], 0

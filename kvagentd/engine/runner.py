@@ -15,12 +15,14 @@ import torch
 from kvagentd.engine import attention
 from kvagentd.engine.batch import StepBatch
 from kvagentd.engine.kv import SequenceKV
+from kvagentd.engine.rows import BatchRows
 
 
 class ModelRunner:
     """Batched forward of `model` (a transformers causal LM in eval mode) on `device`."""
 
-    def __init__(self, model: Any, *, device: torch.device | str, max_step_tokens: int) -> None:
+    def __init__(self, model: Any, *, device: torch.device | str, max_step_tokens: int,
+                 rows: BatchRows | None = None) -> None:
         attention.register()
         model.set_attn_implementation(attention.ATTENTION)
         self.model = model
@@ -28,7 +30,7 @@ class ModelRunner:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         self.num_layers = int(config.num_hidden_layers)
-        self.batch = StepBatch(max_step_tokens, self.device)
+        self.batch = StepBatch(max_step_tokens, self.device, rows)
         # NOTE: a 4-D mask is passed through by transformers' mask builders untouched, so no
         # per-step mask is built; the engine's attention masks each sequence itself.
         self._no_mask = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=self.device)

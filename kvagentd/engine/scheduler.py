@@ -16,7 +16,9 @@ a worse rank overtakes it. A sequence that could never fit, even alone, is repor
 
 Token budget. Every running sequence with a pending token and a decode to do gets its token
 first (best rank first), then prefill chunks (at most `prefill_chunk` each) fill the rest of
-`step_tokens` in rank order, so prefills never starve decodes.
+`step_tokens` in rank order, so prefills never starve decodes. A step with no decode to do
+runs prefills at full width, up to `prefill_tokens` in all, as a one-shot prefill would:
+chunking only splits a prompt while decodes wait.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class SchedulerConfig:
     step_tokens: int = 256
     prefill_chunk: int = 256
     aging_s: float = 10.0
+    prefill_tokens: int = 4096
 
 
 @dataclass(slots=True)
@@ -152,8 +155,11 @@ class Scheduler:
 
     def budget(self, running: Sequence[S], now: float) -> list[tuple[S, int]]:
         """Tokens each running sequence runs this step: decodes first, then prefill chunks."""
-        left = self.config.step_tokens
+        cfg = self.config
         ranked = sorted((s for s in running if s.pending > 0), key=lambda s: self.rank(s, now))
+        decoding = any(s.pending == 1 for s in ranked)
+        left = cfg.step_tokens if decoding else max(cfg.step_tokens, cfg.prefill_tokens)
+        chunk = cfg.prefill_chunk if decoding else left
         out: dict[int, tuple[S, int]] = {}
         for s in ranked:
             if s.pending == 1 and left > 0:
@@ -161,7 +167,7 @@ class Scheduler:
                 left -= 1
         for s in ranked:
             if s.pending > 1 and left > 0:
-                n = min(s.pending, self.config.prefill_chunk, left)
+                n = min(s.pending, chunk, left)
                 out[id(s)] = (s, n)
                 left -= n
         return [out[id(s)] for s in ranked if id(s) in out]

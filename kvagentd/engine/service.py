@@ -26,10 +26,11 @@ import structlog
 import torch
 
 from kvagentd.config import ExecutorConfig
-from kvagentd.engine.blocks import BlockManager, Layout
+from kvagentd.engine.blocks import BatchMemoryExceeded, BlockManager, Layout
 from kvagentd.engine.executor import Executor, GenerationRequest, Job, Priority
 from kvagentd.engine.metrics import EngineMetrics
 from kvagentd.engine.model import LoadedModel, cpu_native_bf16
+from kvagentd.engine.rows import BatchRows
 from kvagentd.engine.runner import ModelRunner
 from kvagentd.engine.sequence import GenerationResult
 from kvagentd.engine.sessions import ChatFormat, Session, SessionGuard, SessionStore
@@ -148,13 +149,27 @@ class Engine:
         self.chat = ChatFormat(loaded.tokenizer)
         cfg = executor_config or ExecutorConfig()
         device = store.hot_arena().device
+        layout = kv_layout(cfg.kv_layout, device)
+        rows = None
+        if layout == "contiguous" and cfg.row_tokens > 0:
+            need = BatchRows.bytes_for(store.geometry, cfg.max_batch, cfg.row_tokens)
+            if need > int(cfg.batch_memory_bytes):
+                raise BatchMemoryExceeded(
+                    f"executor.batch_memory_bytes ({int(cfg.batch_memory_bytes)}) cannot hold "
+                    f"the batch workspace: executor.max_batch ({cfg.max_batch}) rows of "
+                    f"executor.row_tokens ({cfg.row_tokens}) tokens take {need} bytes in "
+                    f"{str(store.geometry.dtype).removeprefix('torch.')}; raise the first or "
+                    f"lower the others")
+            rows = BatchRows(store.geometry, cfg.max_batch, cfg.row_tokens, device)
         self.runner = ModelRunner(loaded.model, device=device,
-                                  max_step_tokens=cfg.step_tokens)
-        self.blocks = BlockManager(store, layout=kv_layout(cfg.kv_layout, device),
-                                   budget_bytes=int(cfg.batch_memory_bytes),
+                                  max_step_tokens=max(cfg.step_tokens, cfg.prefill_tokens),
+                                  rows=rows)
+        self.blocks = BlockManager(store, layout=layout,
+                                   budget_bytes=int(cfg.batch_memory_bytes), rows=rows,
                                    on_recompute=self.metrics.recomputed_tokens.inc)
         self.executor = Executor(self.runner, self.blocks, self.table, self.chat,
-                                 loaded.tokenizer, cfg, metrics=self.metrics)
+                                 loaded.tokenizer, cfg, metrics=self.metrics,
+                                 threads=loaded.threads)
         self.sessions = SessionView(self.table, store, self.executor, loaded.tokenizer)
         self.started_at: float | None = None
         self.warm_workspace_tokens = cfg.warm_workspace_tokens

@@ -1,6 +1,8 @@
 """The batched step against each sequence alone and against the model's own DynamicCache run:
 mixed lengths, prefill chunks beside decodes, a sequence joining mid-batch, one leaving early.
-Both KV layouts (contiguous working copy, paged in place) run the same scenarios."""
+Every KV layout runs the same scenarios: a private working copy per sequence, rows of the
+batch workspace (decode rows attend in one call; rows still prefilling sit between them; a
+row that leaves is filled by the top one), and paged in place."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from kvagentd.engine.cache import HotPoolCache, new_cache
 from kvagentd.engine.kv import SequenceKV
 from kvagentd.engine.model import LoadedModel, model_geometry
 from kvagentd.engine.paged import PagedKV, PagedScratch
+from kvagentd.engine.rows import BatchRows
 from kvagentd.engine.runner import ModelRunner
 
 from .conftest import BLOCK_TOKENS
@@ -43,8 +46,23 @@ def _specs() -> list[Spec]:
             Spec(_ids(17, 4), join=1, chunk=64, new=3)]    # leaves early
 
 
-def _kvs(lm: LoadedModel, layout: str, specs: list[Spec], device: str = "cpu"
-         ) -> list[SequenceKV]:
+LAYOUTS = ["contiguous", "rows", "paged"]
+
+
+def _rows(lm: LoadedModel, n: int = 6, tokens: int = 128) -> BatchRows:
+    return BatchRows(model_geometry(lm.model, BLOCK_TOKENS, lm.dtype), n, tokens, "cpu")
+
+
+def _runner(lm: LoadedModel, layout: str, max_step_tokens: int = 64,
+            rows: BatchRows | None = None) -> ModelRunner:
+    if layout == "rows" and rows is None:
+        rows = _rows(lm)
+    return ModelRunner(lm.model, device="cpu", max_step_tokens=max_step_tokens,
+                       rows=rows if layout == "rows" else None)
+
+
+def _kvs(lm: LoadedModel, layout: str, specs: list[Spec], device: str = "cpu",
+         rows: BatchRows | None = None) -> list[SequenceKV]:
     geo = model_geometry(lm.model, BLOCK_TOKENS, lm.dtype)
     per = [-(-(len(s.prompt) + s.new) // BLOCK_TOKENS) for s in specs]
     arena = torch.zeros((sum(per), *geo.block_shape), dtype=lm.dtype, device=device)
@@ -54,7 +72,17 @@ def _kvs(lm: LoadedModel, layout: str, specs: list[Spec], device: str = "cpu"
     for s, n in zip(specs, per):
         slots = list(range(at, at + n))
         at += n
-        if layout == "contiguous":
+        if layout == "rows":
+            assert rows is not None
+
+            def bind(row: int, work: torch.Tensor) -> HotPoolCache:
+                return HotPoolCache(geo, arena, work, rows=rows, row=row)
+
+            kv = rows.acquire(bind)
+            assert isinstance(kv, HotPoolCache)
+            kv.bind_new_slots(slots)
+            out.append(kv)
+        elif layout == "contiguous":
             kv = new_cache(geo, arena, len(s.prompt) + s.new)
             kv.bind_new_slots(slots)
             out.append(kv)
@@ -66,9 +94,15 @@ def _kvs(lm: LoadedModel, layout: str, specs: list[Spec], device: str = "cpu"
 
 def _drive(runner: ModelRunner, specs: list[Spec], kvs: list[SequenceKV]) -> None:
     """Run the specs as a continuous batch: each step every active sequence feeds its next
-    prefill chunk or its last token; greedy tokens and the logits that chose them are kept."""
+    prefill chunk or its last token; greedy tokens and the logits that chose them are kept.
+    A sequence that is done gives its row back (the top row moves into it)."""
     step = 0
+    released: set[int] = set()
     while any(len(s.tokens) < s.new for s in specs):
+        for i, (s, kv) in enumerate(zip(specs, kvs)):
+            if len(s.tokens) >= s.new and i not in released and isinstance(kv, HotPoolCache):
+                released.add(i)
+                kv.release_workspace()
         work, who = [], []
         for s, kv in zip(specs, kvs):
             if s.join > step or len(s.tokens) >= s.new:
@@ -102,15 +136,16 @@ def _reference(lm: LoadedModel, s: Spec) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_batched_equals_alone_and_dynamic_cache(tiny: LoadedModel, layout: str) -> None:
-    runner = ModelRunner(tiny.model, device="cpu", max_step_tokens=64)
+    rows = _rows(tiny)
+    runner = _runner(tiny, layout, rows=rows)
     batched = _specs()
-    _drive(runner, batched, _kvs(tiny, layout, batched))
+    _drive(runner, batched, _kvs(tiny, layout, batched, rows=rows))
     for i, s in enumerate(batched):
         alone = [_specs()[i]]
         alone[0].join = 0
-        _drive(runner, alone, _kvs(tiny, layout, alone))
+        _drive(runner, alone, _kvs(tiny, layout, alone, rows=rows))
         assert s.tokens == alone[0].tokens
         assert len(s.tokens) == s.new
         ref = _reference(tiny, s)
@@ -120,12 +155,13 @@ def test_batched_equals_alone_and_dynamic_cache(tiny: LoadedModel, layout: str) 
 
 
 def test_full_blocks_land_in_their_slots(tiny: LoadedModel) -> None:
-    """Both layouts leave the same, DynamicCache-equal K/V in the blocks they complete."""
-    specs = {layout: _specs()[:2] for layout in ("contiguous", "paged")}
-    runner = ModelRunner(tiny.model, device="cpu", max_step_tokens=64)
+    """Every layout leaves the same, DynamicCache-equal K/V in the blocks it completes."""
+    specs = {layout: _specs()[:2] for layout in LAYOUTS}
     written = {}
     for layout, sp in specs.items():
-        kvs = _kvs(tiny, layout, sp)
+        rows = _rows(tiny)
+        runner = _runner(tiny, layout, rows=rows)
+        kvs = _kvs(tiny, layout, sp, rows=rows)
         _drive(runner, sp, kvs)
         kv = kvs[0]
         written[layout] = kv
@@ -152,14 +188,15 @@ def test_a_model_that_bypasses_the_attention_interface_is_refused(tiny: LoadedMo
         runner.forward([(_kvs(tiny, "contiguous", sp)[0], sp[0].prompt[:4], True)])
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_steady_decode_reuses_every_buffer(tiny: LoadedModel, layout: str) -> None:
     """Once the step buffers have grown to the batch, decode steps allocate none of the
-    engine's buffers: ids, positions, logit rows, attention output and each sequence's KV
-    storage keep their memory."""
-    runner = ModelRunner(tiny.model, device="cpu", max_step_tokens=64)
+    engine's buffers: ids, positions, logit rows, attention output, the decode rows' index
+    tensors and mask, and each sequence's KV storage keep their memory."""
+    rows = _rows(tiny)
+    runner = _runner(tiny, layout, rows=rows)
     specs = _specs()[:3]
-    kvs = _kvs(tiny, layout, specs)
+    kvs = _kvs(tiny, layout, specs, rows=rows)
     for s, kv in zip(specs, kvs):  # prefill, then one decode step of all three
         runner.forward([(kv, s.prompt, True)])
     runner.forward([(kv, [1], True) for kv in kvs])
@@ -169,6 +206,9 @@ def test_steady_decode_reuses_every_buffer(tiny: LoadedModel, layout: str) -> No
         ptrs = [b._ids_host.data_ptr(), b._pos_host.data_ptr(), b._rows_host.data_ptr()]
         assert b._out is not None
         ptrs.append(b._out.data_ptr())
+        if b.rows is not None:
+            ptrs += [b.rows.tensor.data_ptr(), b._row_idx.data_ptr(), b._row_ids.data_ptr(),
+                     b._row_mask.data_ptr()]
         for kv in kvs:
             if isinstance(kv, PagedKV):
                 ptrs += [kv.arena.data_ptr(), *(t.data_ptr() for t in kv.scratch.buffers(1))]
@@ -182,3 +222,33 @@ def test_steady_decode_reuses_every_buffer(tiny: LoadedModel, layout: str) -> No
         runner.forward([(kv, [2 + step], True) for kv in kvs])
         assert buffers() == before
     assert runner.nbytes() == nbytes
+
+
+def test_decode_rows_attend_in_one_call_per_layer(tiny: LoadedModel,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four decode rows of different lengths and a prefill chunk beside them: the rows take
+    one attention call per layer together, the chunk one of its own."""
+    from kvagentd.engine import attention, batch
+
+    rows = _rows(tiny)
+    runner = _runner(tiny, "rows", rows=rows)
+    specs = _specs()
+    kvs = _kvs(tiny, "rows", specs, rows=rows)
+    for s, kv in zip(specs[:4], kvs):
+        runner.forward([(kv, s.prompt, True)])
+    calls: list[tuple[int, ...]] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(q: torch.Tensor, *a: object, **kw: object) -> torch.Tensor:
+        calls.append(tuple(q.shape))
+        return real(q, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batch.F, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting)
+    runner.forward([(kv, [7], True) for kv in kvs[:3]])
+    layers = runner.num_layers
+    assert len(calls) == layers and all(c[0] == 3 for c in calls)
+    calls.clear()
+    extra = _kvs(tiny, "rows", [Spec(_ids(9, 9), 0, 9, 1)], rows=rows)[0]
+    runner.forward([(kvs[0], [8], True), (extra, _ids(9, 9), True), (kvs[1], [8], True)])
+    assert len(calls) == 2 * layers

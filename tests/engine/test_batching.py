@@ -243,11 +243,11 @@ def test_an_ask_gets_through_a_saturated_tick_load(tiny: LoadedModel, tmp_path: 
 def test_batch_memory_budget_bounds_the_batch(tiny: LoadedModel, tmp_path: Path) -> None:
     """Working copies are counted against executor.batch_memory_bytes: with room for one,
     sequences run one after another; one that cannot fit even alone fails clearly."""
-    probe, store0 = _start(tiny, tmp_path / "probe")
+    probe, store0 = _start(tiny, tmp_path / "probe", row_tokens=0)
     one = probe.blocks.workspaces.bytes_for(256)  # a working copy for <= 256 tokens
     probe.stop()
     store0.close()  # type: ignore[attr-defined]
-    eng, store = _start(tiny, tmp_path / "run", batch_memory_bytes=one + one // 2)
+    eng, store = _start(tiny, tmp_path / "run", batch_memory_bytes=one + one // 2, row_tokens=0)
     sizes: list[int] = []
     eng.executor.on_step = lambda size, tokens, s: sizes.append(size)
     try:

@@ -149,6 +149,22 @@ def test_budget_decodes_first_then_prefill_chunks_by_rank() -> None:
     assert got == {"dt": 1, "dr": 1}  # prefill waits; decodes go first
 
 
+def test_prefill_runs_at_full_width_when_no_decode_waits() -> None:
+    """With nothing to decode, prefills are not chunked: up to `prefill_tokens` in one step,
+    as a one-shot prefill; as soon as a decode waits, chunks go back to `prefill_chunk`."""
+    sch = Scheduler(SchedulerConfig(step_tokens=64, prefill_chunk=16, prefill_tokens=2048,
+                                    aging_s=0))
+    a = Seq("a", Priority.TICK, running=True, pending=2000)
+    b = Seq("b", Priority.ASK, running=True, pending=180)
+    got = {s.session_id: n for s, n in sch.budget([a, b], 0.0)}
+    assert got == {"a": 2000, "b": 48}  # 2,048 tokens in all
+    alone = {s.session_id: n for s, n in sch.budget([b], 0.0)}
+    assert alone == {"b": 180}
+    d = Seq("d", Priority.TICK, running=True, pending=1)
+    got = {s.session_id: n for s, n in sch.budget([a, b, d], 0.0)}
+    assert got == {"d": 1, "a": 16, "b": 16}
+
+
 def test_bad_config_is_refused() -> None:
     with pytest.raises(ValueError):
         Scheduler(SchedulerConfig(max_batch=8, step_tokens=4))
