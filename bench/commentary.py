@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.common import Result, add_agent_run_options, print_table, write_result
+from bench.common import Goal, Result, add_agent_run_options, print_table, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("none", "outer_race", "inner_race", "ball", "cage", "imbalance", "misalignment",
@@ -94,12 +94,29 @@ def run(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
         print(f"  sample {i + 1}/{args.samples} done ({time.monotonic() - started:.0f} s)",
               file=sys.stderr)
     wall = time.monotonic() - started
+    ex = engine.executor.status()
+    reg = engine.metrics.registry
+    generated = reg.get_sample_value("kvagentd_engine_generated_tokens_total") or 0.0
+    prefill = reg.get_sample_value("kvagentd_engine_prefill_tokens_total") or 0.0
+    requests = sum(reg.get_sample_value("kvagentd_engine_requests_total",
+                                        {"priority": "tick", "outcome": o}) or 0.0
+                   for o in ("stop", "length", "deadline", "cancelled"))
+    rewinds = sum(st.rewinds for st in agent.assets.values())
     agent.stop()
     engine.stop()
     store.close()
     sched.shutdown(wait=False)
     shutil.rmtree(d, ignore_errors=True)
-    return summarize(rows, wall)
+    out = summarize(rows, wall)
+    step_s = ex["batch"].get("step_s", {}).get("p50") or 0.0
+    c = ex["constraints"]
+    per_step = c["seconds"] / c["steps"] if c["steps"] else 0.0
+    out.update(tokens_per_commentary=generated / requests if requests else None,
+               prefill_tokens_per_tick=prefill / requests if requests else None,
+               rewinds=rewinds, constraint_ms_per_step=1e3 * per_step,
+               step_ms_p50=1e3 * step_s,
+               constraint_share_of_step=per_step / step_s if step_s else None)
+    return out
 
 
 def summarize(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -169,13 +186,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ncontradiction rate: {res['contradicting']}/{res['commentaries']} = "
           f"{'-' if rate is None else f'{rate:.1%}'} ({res['withheld']} withheld in all, copies "
           f"of the prompt included); llm errors {res['llm_errors']}; {res['wall_s']} s")
+    print(f"tokens per commentary {res['tokens_per_commentary']:.1f}, prefill tokens per tick "
+          f"{res['prefill_tokens_per_tick']:.0f}, sessions rewound {res['rewinds']}; "
+          f"constraints {res['constraint_ms_per_step']:.2f} ms per step = "
+          f"{100 * (res['constraint_share_of_step'] or 0):.1f} % of a step "
+          f"(p50 {res['step_ms_p50']:.1f} ms)")
     for cat, ex in res["examples_withheld"].items():
         print(f"  withheld ({cat}), e.g.: {ex[0]['note'][:150]}")
     for ex in res["examples_shown"][:3]:
         print(f"  shown ({ex['fault']}): {ex['text'][:150]}")
     cmd = " ".join(["python -m bench.commentary", *(sys.argv[1:] if argv is None else argv)])
     res["model"] = loaded.name
-    write_result(Result("commentary", cmd, res, []))
+    goals = [Goal("commentaries withheld", res["withheld"] / max(1, res["commentaries"]), "<=",
+                  0.10),
+             Goal("constraints' cost per step / decode step",
+                  res["constraint_share_of_step"] or 0.0, "<=", 0.05)]
+    write_result(Result("commentary", cmd, res, goals))
     return 0
 
 

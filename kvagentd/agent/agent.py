@@ -334,9 +334,11 @@ class Agent:
         """The model's commentary on this tick (`text` the turn, `obs` its observation):
         (text shown, withheld?, note)."""
         assert self.model is not None
-        done = self.model.submit_tick(session, text, system, started=started,
-                                      first=st.session_tokens == 0)
         given = f"{st.session_text}\n{text}" if st.session_text else text
+        before_text = st.session_text
+        rules = grounding.constraints(d, given.replace(obs, " "), obs)
+        done = self.model.submit_tick(session, text, system, started=started,
+                                      first=st.session_tokens == 0, constraints=rules)
         st.account(done, self.clock(), given)
         if done.outgrown:
             # the session holds more than the hot pool can: it would fail every tick from now
@@ -361,25 +363,36 @@ class Agent:
                                  f"{done.result.new_tokens} tokens (not shown)")
         st.commentaries += 1
         verdict = grounding.check(done.text, d, given, ended=_ended(done))
-        if not verdict.ok:
-            why = f"commentary withheld: {verdict.reason}"
+        copy = (grounding.copied(done.text or "", given.replace(obs, " "), obs)
+                if verdict.ok else None)
+        if not verdict.ok or copy is not None:
+            why = ("commentary withheld: " + (verdict.reason if not verdict.ok else
+                                              f"copies what it was given ({copy!r})"))
             st.checked(why)
-            # NOTE: the contradicting text is in this session's KV; a new session keeps it out
-            # of the context of later turns.
-            st.force_rollover = True
-            log.debug("agent.commentary_withheld", asset=st.asset.name, reason=verdict.reason,
-                     text=done.text)
-            return None, True, why
-        copy = grounding.copied(done.text or "", given.replace(obs, " "), obs)
-        if copy is not None:
-            # nothing about this tick; a new session would be given the same profile and
-            # summary to copy, so the session goes on
-            why = f"commentary withheld: copies what it was given ({copy!r})"
-            st.checked(why)
+            # NOTE: the withheld text must not stay in the context of later turns (the model
+            # copies what it sees): the session is rewound to before it, not rolled over.
+            if done.result is not None and done.kept:
+                self._withdraw(st, session, done.result, before_text, given)
+            log.debug("agent.commentary_withheld", asset=st.asset.name, reason=why,
+                      text=done.text)
             return None, True, why
         st.checked(None)
         st.last_assessment, st.last_assessment_t = done.text, self.clock()
         return done.text, False, None
+
+    def _withdraw(self, st: AssetState, session: str, result: Any, before_text: str,
+                  given: str) -> None:
+        """Take the turn back from `session` (`ModelClient.withdraw`); a session that cannot
+        be rewound rolls over before the next tick."""
+        assert self.model is not None
+        tokens = self.model.withdraw(session, result)
+        if not tokens:
+            st.force_rollover = True
+            return
+        st.rewinds += 1
+        st.session_tokens = tokens
+        # a later turn is taken back whole; a first turn keeps its prompt, unanswered
+        st.session_text = before_text if result.turn_start else given
 
     def _next_turn(self, st: AssetState, now: float, obs: str) -> tuple[str, str, str | None]:
         """(session, user text, system prompt or None): rolls over when the budget is reached."""

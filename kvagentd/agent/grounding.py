@@ -21,6 +21,11 @@ not a claim.
 The checks are deliberately literal: they cannot tell a paraphrase that is right from one
 that is wrong, so they only let through text that restates what was measured.
 
+`constraints(diagnosis, context, current)` steers the model before the check referees it:
+what the decoding may not produce for this diagnosis (the words each check above looks for,
+spelled out), an opening taken from the diagnosis' own words, and the spans of `context` the
+answer may not copy (`engine/constraints.py` applies them per row in the batched step).
+
 `copied(text, context, current)` is a check of its own: text that is, word for word, a piece of
 what the model was given before this tick (its session's first turn: profile and summary of
 recent state; earlier observations) and not of this tick's observation says nothing about this
@@ -34,6 +39,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
+
+from kvagentd.agent.diagnosis.result import FAULT_WORDS
+from kvagentd.engine.constraints import Constraints
 
 NORMAL_RE = re.compile(
     r"\b(normal|healthy|idle|inactiv\w*|fine|good condition|in good shape|all good|"
@@ -117,6 +125,17 @@ def check(text: str | None, diagnosis: Mapping[str, Any], evidence: str, *,
         return Verdict(False, ("empty",))
     if ended and fragment(text):
         return Verdict(False, (f"a fragment ({text.strip()!r}), not a sentence",))
+    reasons = claims(text, diagnosis)
+    allowed = [v for v, _ in numbers(evidence)]
+    invented = [v for v, d in numbers(text) if not _grounded(v, d, allowed)]
+    if invented:
+        reasons.append(f"states {invented[0]:g}, a number not in the evidence")
+    return Verdict(not reasons, tuple(reasons))
+
+
+def claims(text: str, diagnosis: Mapping[str, Any]) -> list[str]:
+    """What `text` says that contradicts `diagnosis`: normal while abnormal, an alarm while
+    nothing is diagnosed, an overstated low severity, another fault's name (numbers aside)."""
     fault = str(diagnosis.get("fault", "none"))
     zone = str(diagnosis.get("zone") or "A")
     reasons: list[str] = []
@@ -143,11 +162,7 @@ def check(text: str | None, diagnosis: Mapping[str, Any], evidence: str, *,
             reasons.append(f"names {name.replace('_', ' ')} ({hits[0]!r}) while the diagnosis "
                            f"is {fault.replace('_', ' ')}")
             break
-    allowed = [v for v, _ in numbers(evidence)]
-    invented = [v for v, d in numbers(text) if not _grounded(v, d, allowed)]
-    if invented:
-        reasons.append(f"states {invented[0]:g}, a number not in the evidence")
-    return Verdict(not reasons, tuple(reasons))
+    return reasons
 
 
 def _words(text: str) -> str:
@@ -166,3 +181,84 @@ def copied(text: str, context: str, current: str) -> str | None:
     if body in _words(context) and body not in _words(current):
         return body
     return None
+
+
+_TRAILING_NUMBER_RE = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d*)?$")
+NO_REPEAT_TOKENS = 3  # a commentary repeats no 3-gram of its own ids ("no repair, no repair")
+
+# The words the checks above look for, as the decoding constraints spell them out.
+ALARM_WORDS = ("alert", "alarm", "alarming", "danger", "dangerous", "critical", "fault",
+               "faults", "faulty", "defect", "defects", "defective", "damage", "damaged",
+               "emergency", "failure", "failing", "malfunction", "malfunctioning",
+               "malfunctions", "broken", "breakdown")
+NORMAL_WORDS = ("normal", "normally", "healthy", "idle", "inactive", "fine", "good condition",
+                "good shape", "all good", "no fault", "no defect", "no problem", "no issue",
+                "no damage", "nothing wrong", "nothing abnormal")
+SEVERE_WORDS = ("critical", "emergency", "danger", "dangerous", "immediate", "immediately",
+                "shut down", "shutdown", "stop the machine", "stop the pump", "stop the motor")
+FAULT_NAMES = {
+    "outer_race": ("outer race", "outer-race", "outer ring", "BPFO"),
+    "inner_race": ("inner race", "inner-race", "inner ring", "BPFI"),
+    "ball": ("ball", "balls", "rolling element", "rolling-element", "BSF", "2xBSF"),
+    "cage": ("cage", "FTF", "retainer"),
+    "imbalance": ("imbalance", "unbalance", "unbalanced", "imbalanced"),
+    "misalignment": ("misalignment", "misaligned"),
+    "looseness": ("loose", "looseness"),
+}
+
+
+def opening(diagnosis: Mapping[str, Any]) -> str:
+    """The first words of a commentary: the diagnosis' own (\"No fault:\", \"Outer-race
+    defect:\", \"Zone C vibration:\" when the level alone is abnormal)."""
+    fault = str(diagnosis.get("fault", "none"))
+    zone = str(diagnosis.get("zone") or "A")
+    if fault == "none":
+        return f"Zone {zone} vibration:" if zone in ("C", "D") else "No fault:"
+    words = FAULT_WORDS.get(fault, fault.replace("_", " "))
+    return words[:1].upper() + words[1:] + ":"
+
+
+def number_prefixes(evidence: str) -> frozenset[str]:
+    """Every prefix of every number written in `evidence` (signs dropped): a number being
+    written digit by digit is on its way to one of them while its text is in this set."""
+    out: set[str] = set()
+    for m in NUMBER_RE.finditer(evidence):
+        s = m.group(0).lstrip("+-")
+        out.update(s[:i] for i in range(1, len(s) + 1))
+        if "." not in s:
+            out.add(s + ".")  # "0." on its way to "0.95" is as good as "0"
+    return frozenset(out)
+
+
+def constraints(diagnosis: Mapping[str, Any], context: str, current: str,
+                evidence: str | None = None) -> Constraints:
+    """What the commentary on `diagnosis` may not say (see module docstring); `context`: what
+    the model was given before this tick, `current`: this tick's observation, `evidence`:
+    every number the model may state (default: both)."""
+    if evidence is None:
+        evidence = f"{context}\n{current}"
+    fault = str(diagnosis.get("fault", "none"))
+    zone = str(diagnosis.get("zone") or "A")
+    abnormal = fault != "none" or zone in ("C", "D")
+    allowed = {fault, *diagnosis.get("secondary", ())}
+    banned: list[str] = [w for name, words in FAULT_NAMES.items() if name not in allowed
+                         for w in words]
+    if abnormal:
+        banned += NORMAL_WORDS
+        if str(diagnosis.get("severity", "low")) in ("none", "low"):
+            banned += SEVERE_WORDS
+    else:
+        banned += ALARM_WORDS + SEVERE_WORDS
+    grounded = number_prefixes(evidence)
+
+    def guard(text: str) -> str | None:
+        found = claims(text, diagnosis)
+        if found:
+            return found[0]
+        m = _TRAILING_NUMBER_RE.search(text)
+        if m is not None and m.group(0).lstrip("+-") not in grounded:
+            return f"{m.group(0)} begins no number of the evidence"
+        return None
+
+    return Constraints(opening=opening(diagnosis), banned=tuple(dict.fromkeys(banned)),
+                       no_copy=context, allow=current, no_repeat=NO_REPEAT_TOKENS, guard=guard)

@@ -25,6 +25,7 @@ import structlog
 
 from kvagentd.agent.beat import Beat
 from kvagentd.config import AgentConfig
+from kvagentd.engine.constraints import Constraints
 from kvagentd.engine.executor import GenerationRequest, HotPoolFull, Priority, QueueFull
 from kvagentd.engine.job import CUT_SHORT, OnCut
 from kvagentd.engine.sequence import GenerationResult
@@ -56,6 +57,10 @@ class Executor(Protocol):
     def submit_all(self, requests: Sequence[GenerationRequest]
                    ) -> Sequence[GenerationJob | QueueFull]:
         """Queue every request at once (one beat); per request its job or its QueueFull."""
+        ...
+
+    def rewind(self, session_id: str, tokens: int) -> bool:
+        """Take back the session's ids from `tokens` on (raises SessionBusy while it runs)."""
         ...
 
 
@@ -91,7 +96,8 @@ class ModelClient:
         self.config = config
 
     def submit_tick(self, session: str, text: str, system: str | None, *,
-                    started: float | None = None, first: bool = False) -> Completion:
+                    started: float | None = None, first: bool = False,
+                    constraints: Constraints | None = None) -> Completion:
         """Submit one tick's turn at TICK priority and wait for it (see module docstring).
         `started` (`time.perf_counter()` when the tick began) puts the deadline at the end of
         the tick's interval, less `TICK_MARGIN` of it for the engine step that crosses it.
@@ -106,7 +112,8 @@ class ModelClient:
         req = GenerationRequest(session=session, text=text, system=system,
                                 max_new_tokens=cfg.assessment_max_tokens, priority=Priority.TICK,
                                 deadline_s=deadline, one_sentence=True,
-                                on_cut=OnCut.PROMPT if first else OnCut.NOTHING)
+                                on_cut=OnCut.PROMPT if first else OnCut.NOTHING,
+                                constraints=constraints)
         try:
             job = cast(GenerationJob, self.beat.submit(req))
         except QueueFull:
@@ -123,6 +130,21 @@ class ModelClient:
         # kept: what the engine did, not what was asked (a turn cut before its first token
         # leaves nothing to keep, and the next tick has to start the session again)
         return Completion(res.text.strip(), res, kept=res.saved)
+
+    def withdraw(self, session: str, result: GenerationResult) -> int:
+        """Take back the turn `result` answered in `session`: the session returns to what it
+        held before the turn, or, for its first turn, keeps that turn's prompt unanswered (the
+        system prompt, profile and summary are not prefilled again). Returns the session's
+        tokens after it; 0 when nothing could be taken back (the session must roll over)."""
+        target = result.turn_start or result.unanswered_tokens
+        if not target:
+            return 0
+        try:
+            self.executor.rewind(session, target)
+        except Exception as exc:  # noqa: BLE001 - a session that cannot rewind rolls over
+            log.warning("agent.rewind_failed", session=session, error=repr(exc))
+            return 0
+        return target
 
     def generate(self, session: str, text: str, system: str | None, *,
                  priority: Priority = Priority.REPORT, max_new_tokens: int | None = None,

@@ -3,11 +3,13 @@
 `SYSTEM_PROMPT` is one constant: the same bytes start every asset session, so after chat
 templating its full KV blocks have equal keys in every session and are stored once.
 
-Every prompt carries the measured diagnosis in one compact form (`diagnosis_text`): the fault,
-severity and confidence, the lines it rests on with their ratios and thresholds, the ISO zone,
-RMS and kurtosis, the hour and day trends and the recommended action. The model is asked to
-comment on it, not to diagnose. Nothing the model wrote is put back into a prompt: summaries
-of earlier measurements are built from the event rows' measurements and diagnoses only.
+A tick's turn (`observation`) is as short as the diagnosis allows: the time, the fault and its
+severity, the one line it rests on (or the level alone), RMS and zone, the action. Every
+other prompt (reports, replays, questions) carries the full form (`diagnosis_text`): the
+confidence, every line with its threshold, kurtosis, the hour and day trends. The model is
+asked to comment on the diagnosis, not to make one. Nothing the model wrote is put back into
+a prompt: summaries of earlier measurements are built from the event rows' measurements and
+diagnoses only.
 """
 
 from __future__ import annotations
@@ -23,15 +25,23 @@ from kvagentd.config import AssetConfig
 
 SYSTEM_PROMPT = (
     "You help a maintenance technician read the vibration monitoring of rotating machines. "
-    "Each message gives one measurement and the diagnosis the monitoring system computed from "
-    "it: the fault (or no fault), its severity, the spectral lines it rests on as multiples of "
-    "the noise floor, the ISO 10816 zone (A good, B acceptable, C restricted operation, D "
-    "damage likely), the trend and the recommended action. The diagnosis is correct. Reply "
-    "with one short sentence that restates the diagnosis and the action in plain words. Use "
-    "only numbers that appear in the message. Never call the machine normal when a fault is "
-    "diagnosed, and never name a fault that is not diagnosed. Examples: \"No fault: RMS 0.9 "
-    "mm/s in zone A; no action.\" \"Outer-race defect, BPFO line 8.1x the floor: plan a "
-    "bearing replacement.\" \"Imbalance in zone C: balance the rotor within days.\""
+    "Each message gives the time of one measurement, the diagnosis the monitoring system "
+    "computed from it (the fault or no fault, its severity and the spectral line it rests on "
+    "as a multiple of the noise floor), the RMS vibration with its ISO 10816 zone (A good, B "
+    "acceptable, C restricted operation, D damage likely) and the recommended action. The "
+    "diagnosis is correct. Reply with one short sentence that restates the diagnosis and the "
+    "action in plain words, using only numbers from the message. Never call the machine "
+    "normal when a fault is diagnosed, and never name a fault that is not diagnosed. "
+    "Examples:\n"
+    "10:00:00. No fault; RMS 0.92 mm/s, zone A. Action: no action.\n"
+    "No fault: RMS 0.92 mm/s in zone A; no action.\n"
+    "10:00:03. Outer-race defect, severity low: BPFO line 8.1x the noise floor; RMS 1.05 "
+    "mm/s, zone A. Action: plan a bearing replacement.\n"
+    "Outer-race defect: BPFO line 8.1x the noise floor; plan a bearing replacement.\n"
+    "10:00:06. Imbalance, severity medium: 1x line 60.2x the noise floor; RMS 4.31 mm/s, "
+    "zone C. "
+    "Action: act within days; balance the rotor.\n"
+    "Imbalance: RMS 4.31 mm/s in zone C; balance the rotor within days."
 )
 
 
@@ -106,9 +116,34 @@ def diagnosis_text(d: Mapping[str, Any]) -> str:
             f" Action: {d['action']}.")
 
 
+def evidence_line(d: Mapping[str, Any]) -> str:
+    """The one piece of evidence a tick's turn names: the diagnosis' first line with its
+    ratio to the noise floor (a bearing fault's defect line; a shaft fault's strongest
+    significant order), else the diagnosis summary's first clause."""
+    lines = [ln for ln in d.get("lines") or [] if ln.get("significant", True)
+             and ln.get("ratio") is not None]
+    if lines:
+        p = lines[0] if "threshold" in lines[0] else max(lines, key=lambda ln: ln["ratio"])
+        return f"{p['line']} line {float(p['ratio']):.1f}x the noise floor"
+    summary = str(d.get("summary") or "")
+    head, _, rest = summary.partition(": ")
+    return (rest or head).split(";")[0].strip()
+
+
 def observation(t: float, diagnosis: Mapping[str, Any]) -> str:
-    """One tick's user turn: the time and the diagnosis (the date is in the profile)."""
-    return f"Measurement {_clock(t)}. {diagnosis_text(diagnosis)} Comment?"
+    """One tick's user turn, compact (see the module docstring; the date is in the first
+    turn): `10:00:03. Outer-race defect, severity low: BPFO line 8.1x the noise floor; RMS
+    1.05 mm/s, zone A. Action: plan a bearing replacement.`"""
+    d = diagnosis
+    fault = str(d["fault"])
+    words = FAULT_WORDS[fault]
+    level = f"RMS {float(d['rms_mm_s']):.2f} mm/s, zone {d['zone']}"
+    if fault == "none":
+        what = f"No fault; {level}"
+    else:
+        what = (f"{words[:1].upper()}{words[1:]}, severity {d['severity']}: "
+                f"{evidence_line(d)}; {level}")
+    return f"{_clock(t)}. {what}. Action: {d['action']}."
 
 
 def summary(asset: str, rows: Iterable[Mapping[str, Any]]) -> str:
@@ -129,9 +164,17 @@ def summary(asset: str, rows: Iterable[Mapping[str, Any]]) -> str:
             f"diagnoses {fault_text}.")
 
 
+def tick_profile(asset: AssetConfig) -> str:
+    """The asset as a tick session names it: what it is, its speed and zone limits (the
+    bearing frequencies are the diagnosis' business, not the commentary's)."""
+    a_b, b_c, c_d = asset.zone_limits_mm_s
+    return (f"Asset {asset.name}: {asset.description}. Shaft {asset.rpm:g} rpm. Zone limits "
+            f"A/B {a_b:g}, B/C {b_c:g}, C/D {c_d:g} mm/s.")
+
+
 def first_turn(asset: AssetConfig, recent: str, obs: str, t: float) -> str:
     """The first user turn of a new session: profile, date, recent-state summary, observation."""
-    return f"{asset_profile(asset)} Date {_stamp(t)[:10]} (UTC).\n{recent}\n{obs}"
+    return f"{tick_profile(asset)} Date {_stamp(t)[:10]} (UTC).\n{recent}\n{obs}"
 
 
 def report_prompt(asset: str, findings: str, stats: Mapping[str, Any]) -> str:

@@ -35,6 +35,7 @@ class AssetState:
     skipped: int = 0
     missed: int = 0
     rollovers: int = 0
+    rewinds: int = 0  # turns taken back from the session (a withheld commentary)
     llm_errors: int = 0
     llm_cut: int = 0  # model turns the tick's deadline cut (no commentary)
     llm_failing: int = 0  # model turns without commentary in a row (0 after one that answered)
@@ -119,6 +120,7 @@ class AssetState:
         return {
             "source": self.asset.source, "llm": llm, "session": self.session,
             "session_tokens": self.session_tokens, "rollovers": self.rollovers,
+            "rewinds": self.rewinds,
             "ticks": self.ticks, "last_zone": self.last_zone,
             "last_fault": d.get("fault"), "last_severity": d.get("severity"),
             "last_diagnosis": d.get("summary"),

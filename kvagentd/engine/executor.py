@@ -26,6 +26,7 @@ import structlog
 
 from kvagentd.config import ExecutorConfig
 from kvagentd.engine.blocks import BlockManager
+from kvagentd.engine.constraints import GUARD_TRIES
 from kvagentd.engine.job import (CUT_SHORT, GenerationRequest, Job, JobState, OnCut,
                                  Priority)
 from kvagentd.engine.metrics import EngineMetrics
@@ -36,12 +37,16 @@ from kvagentd.engine.sessions import ChatFormat, Session, SessionStore
 from kvagentd.engine.threads import own_pool
 
 __all__ = ["Executor", "GenerationRequest", "HotPoolFull", "Job", "JobNotRun", "Priority",
-           "QueueFull"]
+           "QueueFull", "SessionBusy"]
 
 log = structlog.get_logger(__name__)
 
 _IDLE_RETRY_S = 0.05  # wait when nothing could run (room held outside the engine)
 _WINDOW = 256  # steps and requests kept for status figures
+
+
+class SessionBusy(RuntimeError):
+    """The session has a queued or running request."""
 
 
 class QueueFull(RuntimeError):
@@ -87,6 +92,8 @@ class Executor:
             p.name.lower(): collections.deque(maxlen=_WINDOW) for p in Priority}
         self.on_step: Callable[[int, int, float], None] | None = None  # (size, tokens, s)
         self.step_count = 0
+        self.constraint_s = 0.0  # worker time spent compiling and applying constraints
+        self.constrained_steps = 0
         self.completed = 0
         self.failed = 0
         self.rejected = 0
@@ -153,6 +160,27 @@ class Executor:
             self.metrics.queue_depth.set(queued)
         return out
 
+    def rewind(self, session_id: str, tokens: int) -> bool:
+        """Take back a session's ids from `tokens` on (a turn its caller withdraws, such as a
+        commentary the agent will not show); the blocks past that point lose this session's
+        reference and age out. Raises `SessionBusy` while a request of the session runs;
+        False when the session is unknown or not longer than `tokens`."""
+        if self.session_busy(session_id):
+            raise SessionBusy(f"session {session_id!r} has a request in progress")
+        session = self.sessions.get(session_id)
+        if session is None or tokens >= len(session.token_ids) or tokens < 0:
+            return False
+        keep = tokens // self.blocks.geometry.block_tokens
+        dropped = session.block_keys[keep:]
+        session.token_ids = session.token_ids[:tokens]
+        session.block_keys = session.block_keys[:keep]
+        session.turns = max(0, session.turns - 1)
+        self.sessions.save(session)
+        if dropped:
+            self.blocks.store.drop_session(session_id, dropped)
+        log.debug("session_rewound", session=session_id, tokens=tokens)
+        return True
+
     def session_busy(self, session: str) -> bool:
         with self._cond:
             return any(j.request.session == session for j in self._queued) or any(
@@ -171,6 +199,8 @@ class Executor:
                 "queued": queued, "queue_size": self.config.queue_size, "active": active,
                 "steps": self.step_count, "completed": self.completed, "failed": self.failed,
                 "rejected": self.rejected, "preemptions": self.preempted,
+                "constraints": {"steps": self.constrained_steps,
+                                "seconds": round(self.constraint_s, 4)},
                 "batch": _batch_figures(steps, self.config),
                 "queue_wait_s": {k: _quantiles(v) for k, v in waits.items()},
                 "memory": self.blocks.status()}
@@ -221,7 +251,12 @@ class Executor:
         items = [(s, s.chunk(n), s.pending == n) for s, n in work]
         try:
             logits = self.runner.forward([(s.kv_or_fail(), ids, last) for s, ids, last in items])
-            tokens = logits.argmax(-1).tolist()
+            t1 = time.perf_counter()
+            rows = [s for s, _, last in items if last]
+            tokens = self._choose(logits, rows)
+            if any(s.rules is not None for s in rows):
+                self.constraint_s += time.perf_counter() - t1
+                self.constrained_steps += 1
         except Exception as exc:  # noqa: BLE001 - the batch fails, the worker serves on
             log.error("batch_forward_failed", size=len(items), error=f"{type(exc).__name__}: {exc}")
             for s, _, _ in items:
@@ -237,6 +272,32 @@ class Executor:
                 if why is not None:
                     self._end(s, why)
         return True
+
+    def _choose(self, logits: Any, rows: list[Sequence]) -> list[int]:
+        """The greedy token of each row under its request's constraints: the ids they forbid
+        masked (one indexed write for the step), then a row's guard, if it has one, may
+        refuse its candidate's text and take the next best (`constraints.py`)."""
+        r_idx: list[int] = []
+        t_idx: list[int] = []
+        for i, s in enumerate(rows):
+            banned = s.banned_next()
+            if banned:
+                r_idx += [i] * len(banned)
+                t_idx += banned
+        if r_idx:
+            logits[r_idx, t_idx] = float("-inf")
+        tokens: list[int] = logits.argmax(-1).tolist()
+        for i, s in enumerate(rows):
+            if s.rules is None or s.rules.guard is None or s.guard_gave_up:
+                continue
+            for _ in range(GUARD_TRIES):
+                if s.rules.guard(s.text_with(tokens[i], self.tokenizer)) is None:
+                    break
+                logits[i, tokens[i]] = float("-inf")
+                tokens[i] = int(logits[i].argmax())
+            else:
+                s.guard_gave_up = True  # the referee (the caller's own check) decides
+        return tokens
 
     # -- transitions ------------------------------------------------------------------------
 
@@ -261,7 +322,10 @@ class Executor:
                 try:
                     session = self.sessions.get(s.session_id) or Session(s.session_id)
                     self.sessions.check_writable(session)  # handed over: SessionFenced
-                    s.prepare(session, self.chat)
+                    t0 = time.perf_counter()
+                    s.prepare(session, self.chat, self.tokenizer)
+                    if s.rules is not None:
+                        self.constraint_s += time.perf_counter() - t0
                 except Exception as exc:  # noqa: BLE001 - bad input fails its job only
                     self._fail(s, exc)
 
@@ -336,6 +400,9 @@ class Executor:
             self._fail(s, exc)
             return
         self._release(s)
+        if s.n_prompt:
+            kept = self.chat.unanswered(s.tokens[:s.n_prompt])
+            res.unanswered_tokens = len(kept) if kept == s.tokens[:len(kept)] else 0
         res.text = s.final_text(self.tokenizer)
         res.new_tokens = len(generated)
         end = time.perf_counter()

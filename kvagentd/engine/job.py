@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvagentd.engine.constraints import Constraints
 from kvagentd.engine.sequence import GenerationResult
 from kvagentd.kvcache.transitions import check_transition
 
@@ -43,6 +44,7 @@ class GenerationRequest:
     deadline_s: float | None = None  # seconds from submit; None = the executor default
     one_sentence: bool = False  # end at the first sentence's end (`sequence.sentence_end`)
     on_cut: OnCut = OnCut.ANSWER  # what a turn cut off leaves in the session
+    constraints: Constraints | None = None  # opening, banned phrases, spans not to copy
 
 
 CUT_SHORT = frozenset({"deadline", "cancelled"})  # finish reasons of a turn cut off

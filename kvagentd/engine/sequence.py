@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvagentd.engine.constraints import Rules
 from kvagentd.engine.kv import SequenceKV
 from kvagentd.engine.sessions import ChatFormat, Session
 
@@ -47,6 +48,8 @@ class GenerationResult:
     ttft_s: float = 0.0  # from admission (after queueing) to the first token
     total_s: float = 0.0  # from admission to the end
     queue_wait_s: float = 0.0  # from submit to the first admission
+    turn_start: int = 0  # ids its session held before this turn (0: a new session)
+    unanswered_tokens: int = 0  # ids of the session with this turn's prompt left unanswered
     preemptions: int = 0
     loaded: dict[str, int] = field(default_factory=dict)  # blocks by tier they came from
     timings: dict[str, float] = field(default_factory=dict)  # where the time went
@@ -63,7 +66,10 @@ class Sequence:
         self.session_id = job.request.session
         self.session: Session | None = None
         self.tokens: list[int] = []
-        self.n_prompt = 0
+        self.n_prompt = 0  # ids before the answer (the answer's forced opening follows them)
+        self.n_forced = 0  # ids of the opening, fed as the answer's first ids
+        self.rules: Rules | None = None
+        self.guard_gave_up = False  # its guard refused every candidate once: not asked again
         self.kv: SequenceKV | None = None
         self.used_keys: list[bytes] = []  # stored keys of its leading blocks, held while running
         self.blocks_held = 0  # hot blocks it holds while running (reused + private)
@@ -80,10 +86,12 @@ class Sequence:
     def prepared(self) -> bool:
         return self.session is not None
 
-    def prepare(self, session: Session, chat: ChatFormat) -> None:
+    def prepare(self, session: Session, chat: ChatFormat, tokenizer: Any = None) -> None:
         """Build the prompt ids: the session's ids plus the new turn (templated alone; history
-        is never re-encoded). A request without text continues the session's ids as they are."""
+        is never re-encoded), then the ids of the answer's opening, if the request has one. A
+        request without text continues the session's ids as they are."""
         text, system = self.job.request.text, self.job.request.system
+        constraints = self.job.request.constraints
         if text is None:
             if not session.token_ids:
                 raise ValueError(f"session {session.id!r} has no tokens to continue")
@@ -93,8 +101,13 @@ class Sequence:
         else:
             ids = session.token_ids + chat.next_turn(text)
         self.session = session
-        self.tokens = ids
+        self.result.turn_start = len(session.token_ids)
         self.n_prompt = len(ids)
+        if constraints and tokenizer is not None:
+            self.rules = Rules(constraints, tokenizer)
+            ids = ids + self.rules.opening_ids
+            self.n_forced = len(self.rules.opening_ids)
+        self.tokens = ids
         self.result.prompt_tokens = len(ids)
 
     # -- figures the scheduler reads --------------------------------------------------------
@@ -143,9 +156,20 @@ class Sequence:
 
     # -- generation -------------------------------------------------------------------------
 
+    def banned_next(self) -> set[int]:
+        """Ids the request's constraints forbid as its next token (none: empty)."""
+        if not self.rules:
+            return set()
+        return self.rules.banned_next(self.tokens[self.n_prompt:])
+
+    def text_with(self, token: int, tokenizer: Any) -> str:
+        """The answer's text if `token` came next."""
+        return str(tokenizer.decode(self.tokens[self.n_prompt:] + [token],
+                                    skip_special_tokens=True))
+
     def accept(self, token: int, chat: ChatFormat, tokenizer: Any) -> str | None:
         """Take the next greedy token; returns why the sequence ends now, or None."""
-        first = len(self.tokens) == self.n_prompt
+        first = len(self.tokens) == self.n_prompt + self.n_forced
         self.tokens.append(token)
         if first:
             now = self.first_token_at = time.perf_counter()

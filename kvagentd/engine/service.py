@@ -27,7 +27,7 @@ import torch
 
 from kvagentd.config import ExecutorConfig
 from kvagentd.engine.blocks import BatchMemoryExceeded, BlockManager, Layout
-from kvagentd.engine.executor import Executor, GenerationRequest, Job, Priority
+from kvagentd.engine.executor import Executor, GenerationRequest, Job, Priority, SessionBusy
 from kvagentd.engine.metrics import EngineMetrics
 from kvagentd.engine.model import LoadedModel, cpu_native_bf16
 from kvagentd.engine.rows import BatchRows
@@ -37,10 +37,6 @@ from kvagentd.engine.sessions import ChatFormat, Session, SessionGuard, SessionS
 from kvagentd.kvcache.base import KVStore, Tier
 
 log = structlog.get_logger(__name__)
-
-
-class SessionBusy(RuntimeError):
-    """The session has a queued or running request."""
 
 
 class SessionView:

@@ -40,6 +40,7 @@ class FakeExecutor:
         self.finish_reason = "stop"
         self.lock = threading.Lock()
         self.beats: list[int] = []  # sizes of the submit_all calls
+        self.rewinds: list[tuple[str, int]] = []
 
     def submit(self, req: GenerationRequest) -> FakeJob:
         if self.full:
@@ -50,6 +51,7 @@ class FakeExecutor:
                 exc, self.fail_next = self.fail_next, None
                 return FakeJob(exc)
             prior = self.sessions.get(req.session)
+            start = prior or 0
             if prior is None:
                 prior = len((req.system or "").split())
             prompt = prior + len(req.text.split())
@@ -65,7 +67,16 @@ class FakeExecutor:
         return FakeJob(GenerationResult(req.session, answer, new_tokens=new, prompt_tokens=prompt,
                                         reused_tokens=prior, recomputed_tokens=prompt - prior,
                                         finish_reason=self.finish_reason, saved=held > 0,
-                                        session_tokens=held))
+                                        session_tokens=held, turn_start=start,
+                                        unanswered_tokens=prompt - 1))
+
+    def rewind(self, session: str, tokens: int) -> bool:
+        with self.lock:
+            if self.sessions.get(session, 0) <= tokens:
+                return False
+            self.sessions[session] = tokens
+            self.rewinds.append((session, tokens))
+            return True
 
     def submit_all(self, reqs: list[GenerationRequest]) -> list[FakeJob | QueueFull]:
         self.beats.append(len(reqs))

@@ -35,8 +35,12 @@ def test_tick_writes_event_and_asks_the_model_at_tick_priority(tmp_path, fake_ex
     (req,) = fake_executor.requests
     assert req.priority == Priority.TICK and req.max_new_tokens == 17
     assert req.system == prompts.SYSTEM_PROMPT and req.session == "pump-1-1"
-    assert req.text.startswith("Asset pump-1") and "Diagnosis (measured): no fault" in req.text
-    assert req.text.endswith("Comment?")
+    assert req.text.startswith("Asset pump-1") and "No fault; RMS " in req.text
+    assert req.text.endswith("Action: no action.")
+    # steered: it opens with the diagnosis' words and may not raise an alarm
+    c = req.constraints
+    assert c is not None and c.opening == "No fault:" and "faulty" in c.banned
+    assert c.guard is not None and c.guard("No fault: the bearing is damaged") is not None
     clock.advance(3)
     ag.tick_once("pump-1")
     assert fake_executor.requests[1].text.count("\n") == 0  # later turns: one observation line
@@ -401,7 +405,13 @@ def test_commentary_that_contradicts_the_diagnosis_is_withheld(tmp_path, fake_ex
     fake_executor.answer = "Outer-race defect: BPFO line 99.5x the floor; replace the bearing."
     row2 = ag.tick_once("pump-1")
     assert row2["withheld"] and "99.5" in row2["note"]  # a number the evidence does not hold
-    assert row2["session"] != row["session"]  # the contradicting text left the context
+    # the contradicting text left the context: the session was rewound to before it, and
+    # the first turn's prompt stays (unanswered), so it is not prefilled again
+    assert row2["session"] == row["session"]
+    first_prompt = fake_executor.sessions[row["session"]]
+    assert fake_executor.rewinds[0] == (row["session"], first_prompt)
+    assert fake_executor.rewinds[1][1] == first_prompt
+    assert fake_executor.requests[-1].constraints is not None
     clock.advance(3)
     fake_executor.answer = "Outer-race defect: plan a bearing replacement."
     row3 = ag.tick_once("pump-1")
@@ -486,11 +496,13 @@ def test_a_number_from_earlier_in_the_session_is_in_the_evidence(tmp_path, fake_
     fake_executor.answer = "Shaft at 4242 rpm, condition normal."
     row = ag.tick_once("pump-1")
     assert row["withheld"] and "4242" in row["note"]
-    clock.advance(3)  # the withheld text leaves the context: a new session, its own evidence
+    withheld_turn = fake_executor.requests[-1].text
+    clock.advance(3)  # the withheld turn leaves the context: the session is rewound before it
     fake_executor.answer = "Condition normal, no action needed."
     row = ag.tick_once("pump-1")
-    assert row["session"] != first["session"]
-    assert ag.assets["pump-1"].session_text == fake_executor.requests[-1].text
+    assert row["session"] == first["session"]
+    text = ag.assets["pump-1"].session_text
+    assert withheld_turn not in text and text.endswith(fake_executor.requests[-1].text)
 
 
 def test_a_failed_turn_adds_nothing_to_what_the_model_was_given(tmp_path, fake_executor,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvagentd.agent import grounding
 from kvagentd.agent.grounding import check, copied, fragment
 from kvagentd.agent.prompts import diagnosis_text
 
@@ -83,3 +84,30 @@ OBS = "08:56:27 RMS 0.96 mm/s, zone A, kurtosis 2.9, no fault pattern."
 def test_a_copy_of_what_the_model_was_given_is_found(text, copy):
     got = copied(text, f"Pump-1 is a centrifugal pump. Date 2026-12-02 (UTC).\n{SUMMARY}", OBS)
     assert (got is not None) is copy
+
+
+def test_constraints_steer_each_diagnosis_toward_what_the_check_accepts() -> None:
+    """The decoding constraints spell out the check's own words: a healthy asset's commentary
+    opens "No fault:" and may not raise an alarm or name a fault; a faulty one opens with its
+    fault, may name it but not call the machine normal, name another fault or overstate a
+    low severity. The guard refuses exactly what `claims` finds, and a number that is on its
+    way to none of the evidence."""
+    healthy = {"fault": "none", "zone": "A"}
+    c = grounding.constraints(healthy, "Asset p: 15 kW.", "No fault; RMS 0.95 mm/s, zone A.")
+    assert c.opening == "No fault:" and {"fault", "BPFO", "critical"} <= set(c.banned)
+    assert c.guard is not None
+    assert c.guard("No fault: RMS 0.95 mm/s in zone A; no action.") is None
+    assert "alarm" in (c.guard("No fault: RMS 0.95 mm/s but the bearing is damaged") or "")
+    assert c.guard("No fault: RMS 0.9") is None  # on its way to 0.95
+    assert "evidence" in (c.guard("No fault: RMS 0.97") or "")
+    assert c.guard("rated 15 kW") is None and c.guard("rated 150") is not None
+    outer = {"fault": "outer_race", "zone": "A", "severity": "low", "secondary": ["cage"]}
+    c = grounding.constraints(outer, "", "BPFO line 8.1x the noise floor")
+    assert c.opening == "Outer-race defect:"
+    assert "BPFO" not in c.banned and "FTF" not in c.banned and "BPFI" in c.banned
+    assert {"normal", "healthy", "critical"} <= set(c.banned) and "defect" not in c.banned
+    assert c.guard is not None and "names inner race" in (c.guard("an inner-race spall") or "")
+    high = {"fault": "imbalance", "zone": "D", "severity": "high"}
+    c = grounding.constraints(high, "", "")
+    assert "critical" not in c.banned and c.opening == "Imbalance:"
+    assert grounding.opening({"fault": "none", "zone": "C"}) == "Zone C vibration:"

@@ -233,3 +233,26 @@ def test_submit_all_joins_one_step_and_refuses_past_the_queue(tiny: LoadedModel,
             job.result(60)
         assert sizes[0] == 3  # the three joined the first step together
         assert eng.executor.status()["rejected"] == 1
+
+
+def test_a_turn_taken_back_leaves_the_session_as_before_it(engine: Engine, tiny: LoadedModel
+                                                           ) -> None:
+    """`rewind` cuts a session to the ids it held before a turn (a commentary the agent will
+    not show); the next turn continues from there exactly as if the taken-back turn had never
+    run, and the blocks past the cut lose the session's reference."""
+    from .conftest import greedy_reference
+
+    first = engine.ask("r", "How is pump 3?", max_new_tokens=8, system="sys")
+    before = list(engine.table.get("r").token_ids)
+    second = engine.ask("r", "And the bearing, in detail please?", max_new_tokens=40)
+    assert second.turn_start == len(before) and second.unanswered_tokens > len(before)
+    assert engine.executor.rewind("r", second.turn_start)
+    s = engine.table.get("r")
+    assert s.token_ids == before and len(s.block_keys) == len(before) // 16
+    assert not engine.executor.rewind("r", len(before))  # nothing past it any more
+    assert first.turn_start == 0
+    ids = before + engine.chat.next_turn("Any change?")
+    again = engine.ask("r", "Any change?", max_new_tokens=8)
+    got = engine.table.get("r").token_ids[len(ids): len(ids) + again.new_tokens]
+    assert got == greedy_reference(tiny, ids, 8)[: again.new_tokens]
+    engine.store.check_integrity()

@@ -156,7 +156,7 @@ def register(router: Router, daemon: Any) -> None:
                          "turns": record.turns, "text": eng.sessions.text(sid)})
 
     def drop(req: Request) -> dict[str, Any]:
-        from kvagentd.engine.service import SessionBusy
+        from kvagentd.engine.executor import SessionBusy
 
         eng = engine()
         sid = session_id(req)
