@@ -3,6 +3,7 @@ and returns a JSON-ready dict. Kept apart from the table and goal code in `batch
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import shutil
 import statistics
@@ -439,14 +440,16 @@ def record_ticks(lm: LoadedModel, root: Path, n: int, seconds: float
 def replay_ticks(lm: LoadedModel, root: Path, ticks: list[tuple[list[int], GenerationRequest]]
                  ) -> dict[str, Any]:
     """Each recorded tick as its own request (its session's ids, then its turn), batched."""
-    total = sum(len(ids) + 128 for ids, _ in ticks)
-    with engine_for(lm, root, hot_tokens=total) as (eng, _):
+    # the hot pool holds a full batch; the rest of the replayed sessions go warm and cold
+    longest = max((len(ids) for ids, _ in ticks), default=0) + 128
+    with engine_for(lm, root, hot_tokens=16 * longest,
+                    queue_size=max(32, len(ticks))) as (eng, _):
         for k, (ids, _) in enumerate(ticks):
             if ids:
                 eng.table.save(Session(f"r{k}", ids))
-        res, wall = run_jobs(lambda: [eng.submit(GenerationRequest(
-            f"r{k}", r.text, r.system, r.max_new_tokens, Priority.TICK))
-            for k, (_, r) in enumerate(ticks)])
+        # as the agent asked: one sentence, its constraints; no deadline (text, not time)
+        res, wall = run_jobs(lambda: [eng.submit(dataclasses.replace(
+            r, session=f"r{k}", deadline_s=None)) for k, (_, r) in enumerate(ticks)])
     return {"texts": [r.text for r in res], "wall_s": wall,
             "generated": sum(r.new_tokens for r in res)}
 

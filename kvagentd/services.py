@@ -268,7 +268,11 @@ def build_services(config: Config, ctx: BuildContext) -> Services:
 
     state_dir = Path(config.daemon.state_dir)
     ctx.on_phase("loading model")
-    model = load_model(config.model, Path(config.daemon.cache_dir))
+    calibration = []
+    if config.agent.enabled and config.model.dtype == "auto":
+        from kvagentd.agent.calibration import calibration_prompts
+        calibration = calibration_prompts(config.agent)  # the precision check's prompts
+    model = load_model(config.model, Path(config.daemon.cache_dir), calibration)
     geometry = model_geometry(model.model, config.kv.block_tokens, model.dtype)
     namespace = make_namespace(model.fingerprint, model.dtype, config.kv.block_tokens)
     feed = AccessFeed()  # the store reports accesses to it, placement drains it

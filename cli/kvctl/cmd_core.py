@@ -170,7 +170,8 @@ def _engine_summary(v: dict[str, Any]) -> list[str]:
     q = ex.get("queued") or {}
     running = ", ".join(str(a.get("session")) for a in ex.get("active") or []) or "-"
     return [f"model    {v.get('model', '?')}  {v.get('dtype', '?')} on {v.get('device', '?')}  "
-            f"sessions {v.get('sessions', 0)}",
+            f"{v.get('threads', '?')} threads  sessions {v.get('sessions', 0)}",
+            f"dtype    {v.get('dtype_reason') or '-'}",
             f"executor queued tick {q.get('tick', 0)} ask {q.get('ask', 0)} report "
             f"{q.get('report', 0)} (max {ex.get('queue_size', '?')})  running {running}  "
             f"done {ex.get('completed', 0)}  failed {ex.get('failed', 0)}  busy "
@@ -182,11 +183,14 @@ def _batch_summary(ex: dict[str, Any]) -> list[str]:
     if not b:
         return []
     step = b.get("step_s") or {}
-    held = (mem.get("working_copy_bytes") or 0) + (mem.get("paged_scratch_bytes") or 0)
+    held = ((mem.get("rows_bytes") or 0) + (mem.get("working_copy_bytes") or 0)
+            + (mem.get("paged_scratch_bytes") or 0))
     return [f"batch    size {b.get('size_mean', 0)} mean, {b.get('size_max', 0)} max of "
             f"{b.get('max_batch', '?')}  step p50 {1000 * (step.get('p50') or 0):.0f} ms  "
             f"preempted {ex.get('preemptions', 0)}  beyond hot pool {render.size(held)} of "
-            f"{render.size(mem.get('budget_bytes'))} ({mem.get('layout', '?')})"]
+            f"{render.size(mem.get('budget_bytes'))} ({mem.get('layout', '?')}: "
+            f"{mem.get('rows_in_use', 0)}/{mem.get('batch_rows', 0)} rows of "
+            f"{mem.get('row_tokens', 0)} tokens)"]
 
 
 def _placement_summary(v: dict[str, Any]) -> list[str]:

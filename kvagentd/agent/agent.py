@@ -301,7 +301,9 @@ class Agent:
         if held_by is not None:
             note = f"{note}; " if note else ""
             note += f"llm: the asset's sessions are written by box {held_by}"
-        use_llm = a.llm and self.model is not None and held_by is None
+        use_llm = (a.llm and self.model is not None and held_by is None
+                   and st.wants_comment(self.config.comment_every, self.config.comment_max_gap,
+                                        d))
         measured = {"kind": "tick", "zone": diagnosis.zone, "anomaly": diagnosis.anomaly,
                     "features": features, "diagnosis": d}
         try:
@@ -318,6 +320,8 @@ class Agent:
             commentary, withheld, why = self._comment(st, d, *turn, started=t0, obs=obs)
             if why:
                 note = f"{note}; {why}" if note else why
+            if commentary is None:
+                st.commented_on = None  # nothing shown: the next tick asks again
         latency = time.perf_counter() - t0
         st.latencies.append(latency)
         try:

@@ -36,6 +36,9 @@ class AssetState:
     missed: int = 0
     rollovers: int = 0
     rewinds: int = 0  # turns taken back from the session (a withheld commentary)
+    commented_on: tuple[str, str, str] | None = None  # (fault, severity, zone) last commented
+    since_comment: int = 0  # ticks since the last one that asked for a commentary
+    uncommented: int = 0  # ticks that asked for none (agent.comment_every = "change")
     llm_errors: int = 0
     llm_cut: int = 0  # model turns the tick's deadline cut (no commentary)
     llm_failing: int = 0  # model turns without commentary in a row (0 after one that answered)
@@ -62,6 +65,16 @@ class AssetState:
     @property
     def session(self) -> str:
         return f"{self.asset.name}-{self.session_index}"
+
+    def wants_comment(self, every: str, max_gap: int, d: dict[str, Any]) -> bool:
+        """Does this tick (diagnosis `d`) ask for a commentary (`agent.comment_every`)?"""
+        key = (str(d.get("fault")), str(d.get("severity")), str(d.get("zone")))
+        if every == "tick" or key != self.commented_on or self.since_comment + 1 >= max_gap:
+            self.commented_on, self.since_comment = key, 0
+            return True
+        self.since_comment += 1
+        self.uncommented += 1
+        return False
 
     def checked(self, withheld: str | None) -> None:
         """A finished turn's commentary after the check: shown (`withheld` None) ends a run of
@@ -120,7 +133,7 @@ class AssetState:
         return {
             "source": self.asset.source, "llm": llm, "session": self.session,
             "session_tokens": self.session_tokens, "rollovers": self.rollovers,
-            "rewinds": self.rewinds,
+            "rewinds": self.rewinds, "ticks_without_commentary": self.uncommented,
             "ticks": self.ticks, "last_zone": self.last_zone,
             "last_fault": d.get("fault"), "last_severity": d.get("severity"),
             "last_diagnosis": d.get("summary"),

@@ -209,6 +209,11 @@ class AgentConfig:
     mqtt: MqttConfig = MqttConfig()
     tick_interval_s: float = field(default=3.0, metadata=_rng(0.1, 3600.0))
     assessment_max_tokens: int = field(default=24, metadata=_rng(1, 4096))
+    # when a tick asks the model for a commentary: every tick, or when the diagnosis (fault,
+    # severity) or the ISO zone changes and at least every comment_max_gap ticks otherwise;
+    # every tick still measures, diagnoses and records
+    comment_every: Literal["tick", "change"] = "tick"
+    comment_max_gap: int = field(default=20, metadata=_rng(1, 1 << 20))
     session_token_budget: int = field(default=1536, metadata=_rng(64, 1 << 20))
     report_max_tokens: int = field(default=200, metadata=_rng(1, 32768))
     weekly_report_cron: CronText = CronText("0 6 * * 1")  # crontab (MIN HOUR DAY MONTH DOW), local

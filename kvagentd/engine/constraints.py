@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 GUARD_TRIES = 8  # candidates a guard may reject in one step before the best one is taken
 
@@ -121,3 +121,42 @@ def _banned_sequences(tokenizer: Any, phrases: tuple[str, ...]) -> tuple[tuple[i
     the agent asks for the same few sets tick after tick)."""
     _TOKENIZERS.setdefault(id(tokenizer), tokenizer)
     return _banned_cached(id(tokenizer), phrases)
+
+
+class Constrained(Protocol):
+    """A sequence as `choose` reads it (implemented by `sequence.Sequence`)."""
+
+    rules: Rules | None
+    guard_gave_up: bool
+
+    def banned_next(self) -> set[int]: ...
+
+    def text_with(self, token: int, tokenizer: Any) -> str: ...
+
+
+def choose(logits: Any, rows: Sequence[Constrained], tokenizer: Any) -> list[int]:
+    """The greedy token of each row of `logits` under its sequence's constraints: the ids they
+    forbid masked (one indexed write for all rows), then a row whose guard refuses its
+    candidate's text takes the next best, at most `GUARD_TRIES` times (after that its guard is
+    not asked again: the caller's own check referees)."""
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    for i, s in enumerate(rows):
+        banned = s.banned_next()
+        if banned:
+            r_idx += [i] * len(banned)
+            t_idx += banned
+    if r_idx:
+        logits[r_idx, t_idx] = float("-inf")
+    tokens: list[int] = logits.argmax(-1).tolist()
+    for i, s in enumerate(rows):
+        if s.rules is None or s.rules.guard is None or s.guard_gave_up:
+            continue
+        for _ in range(GUARD_TRIES):
+            if s.rules.guard(s.text_with(tokens[i], tokenizer)) is None:
+                break
+            logits[i, tokens[i]] = float("-inf")
+            tokens[i] = int(logits[i].argmax())
+        else:
+            s.guard_gave_up = True
+    return tokens

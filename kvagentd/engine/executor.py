@@ -26,7 +26,7 @@ import structlog
 
 from kvagentd.config import ExecutorConfig
 from kvagentd.engine.blocks import BlockManager
-from kvagentd.engine.constraints import GUARD_TRIES
+from kvagentd.engine.constraints import choose
 from kvagentd.engine.job import (CUT_SHORT, GenerationRequest, Job, JobState, OnCut,
                                  Priority)
 from kvagentd.engine.metrics import EngineMetrics
@@ -253,7 +253,7 @@ class Executor:
             logits = self.runner.forward([(s.kv_or_fail(), ids, last) for s, ids, last in items])
             t1 = time.perf_counter()
             rows = [s for s, _, last in items if last]
-            tokens = self._choose(logits, rows)
+            tokens = choose(logits, rows, self.tokenizer)
             if any(s.rules is not None for s in rows):
                 self.constraint_s += time.perf_counter() - t1
                 self.constrained_steps += 1
@@ -272,32 +272,6 @@ class Executor:
                 if why is not None:
                     self._end(s, why)
         return True
-
-    def _choose(self, logits: Any, rows: list[Sequence]) -> list[int]:
-        """The greedy token of each row under its request's constraints: the ids they forbid
-        masked (one indexed write for the step), then a row's guard, if it has one, may
-        refuse its candidate's text and take the next best (`constraints.py`)."""
-        r_idx: list[int] = []
-        t_idx: list[int] = []
-        for i, s in enumerate(rows):
-            banned = s.banned_next()
-            if banned:
-                r_idx += [i] * len(banned)
-                t_idx += banned
-        if r_idx:
-            logits[r_idx, t_idx] = float("-inf")
-        tokens: list[int] = logits.argmax(-1).tolist()
-        for i, s in enumerate(rows):
-            if s.rules is None or s.rules.guard is None or s.guard_gave_up:
-                continue
-            for _ in range(GUARD_TRIES):
-                if s.rules.guard(s.text_with(tokens[i], self.tokenizer)) is None:
-                    break
-                logits[i, tokens[i]] = float("-inf")
-                tokens[i] = int(logits[i].argmax())
-            else:
-                s.guard_gave_up = True  # the referee (the caller's own check) decides
-        return tokens
 
     # -- transitions ------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ import xxhash
 
 from kvagentd import log as logsetup
 from kvagentd.config import ModelConfig
+from kvagentd.engine.precision import (NATIVE_BF16_FLAGS, Calibration, DtypeChoice, compare,
+                                       cpu_flags, greedy_answers, load_verdict, save_verdict,
+                                       static_choice, verdict_path)
 from kvagentd.engine.threads import in_pool
 from kvagentd.kvcache.base import KVGeometry
 
@@ -54,40 +58,16 @@ class LoadedModel:
     source: str  # what was loaded, for status
     load_s: float
     threads: int = 1  # intra-op threads of the model worker (`threads.py`)
+    dtype_choice: DtypeChoice | None = None  # why this dtype (`precision.py`)
 
     @property
     def name(self) -> str:
         return Path(self.source).name
 
 
-_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
 def cpu_native_bf16(cpuinfo: str | None = None) -> bool:
     """True when the CPU computes bf16 natively (`avx512_bf16` or `amx_bf16` in its flags)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return bool(_NATIVE_BF16_FLAGS & set(line.split(":", 1)[-1].split()))
-    return False
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on CUDA; fp32 on CPU.
-
-    NOTE: measured on the development CPU (AVX2, no native bf16; torch 2.13, SmolLM2): bf16
-    weights made a 576x1536 linear over 512 rows 14x slower, a 512-token prefill 5-6x slower and
-    a decode step of 8 sequences up to 2x slower than fp32 (`python -m bench.batch --sections
-    precision` measures the agent's ticks end to end). On a CPU with native bf16
-    (`cpu_native_bf16()`) the choice is not measured yet: fp32 stays, since bf16 also changes
-    greedy output; run the precision section there before choosing bfloat16."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return bool(set(NATIVE_BF16_FLAGS) & cpu_flags(cpuinfo))
 
 
 def available_cpus() -> int:
@@ -125,8 +105,11 @@ def model_geometry(model: Any, block_tokens: int, dtype: torch.dtype) -> KVGeome
     return KVGeometry.from_model_config(config, block_tokens, dtype)
 
 
-def load_model(cfg: ModelConfig, cache_dir: Path) -> LoadedModel:
-    """Load the model `cfg` names, converting a GGUF into `cache_dir` on first use."""
+def load_model(cfg: ModelConfig, cache_dir: Path,
+               calibration: Sequence[Calibration] = ()) -> LoadedModel:
+    """Load the model `cfg` names, converting a GGUF into `cache_dir` on first use.
+    `calibration`: the caller's own prompts, on which `dtype = "auto"` checks bf16 against
+    fp32 on a CPU with native bf16 (`precision.py`)."""
     if cfg.source == "none":
         raise ValueError("model.source = 'none': no model to load")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -136,7 +119,10 @@ def load_model(cfg: ModelConfig, cache_dir: Path) -> LoadedModel:
     t0 = time.perf_counter()
     threads = cfg.threads or available_cpus()
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    flags = cpu_flags()
+    choice = (DtypeChoice(torch.float32, "model.quantize = 'int8': float32 activations")
+              if cfg.quantize == "int8" and cfg.dtype == "auto"
+              else static_choice(cfg.dtype, device, flags))
     if cfg.source == "embedded":
         gguf = embedded_gguf_path()
         hf_dir = in_pool(lambda: converted_dir(gguf, Path(cache_dir)), threads)
@@ -145,26 +131,50 @@ def load_model(cfg: ModelConfig, cache_dir: Path) -> LoadedModel:
         if path is None or not path.is_file():
             raise ModelNotFound(f"model.path {path} is not a GGUF file; point model.path at a "
                                 f".gguf file or use model.source = 'embedded' ({INSTALL_HINT})")
-        hf_dir = in_pool(lambda: converted_dir(path, Path(cache_dir)), threads)
+        gguf_file: Path = path
+        hf_dir = in_pool(lambda: converted_dir(gguf_file, Path(cache_dir)), threads)
     else:
         hf_dir = Path(cfg.path) if cfg.path else Path("<unset>")
         if not (hf_dir / "config.json").is_file():
             raise ModelNotFound(f"model.path {hf_dir} is not a Hugging Face model directory "
                                 f"(no config.json); models are never downloaded; {INSTALL_HINT} "
                                 f"and use model.source = 'embedded'")
+    fp = fingerprint(hf_dir)
+    if choice is None:  # auto on a CPU with native bf16: measured once, then remembered
+        path = verdict_path(Path(cache_dir), fp, calibration, flags)
+        choice = load_verdict(path)
+        if choice is None:
+            log.info("precision_check_start", prompts=len(calibration))
+            choice = in_pool(lambda: _measure_bf16(hf_dir, device, calibration), threads)
+            save_verdict(path, choice)
+            log.info("precision_checked", dtype=str(choice.dtype), reason=choice.reason,
+                     max_logit_error=choice.max_logit_error)
+    dtype = choice.dtype
     if cfg.quantize == "int8" and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"model.quantize = 'int8' runs on the CPU with float32 activations; "
                          f"this model would load as {str(dtype)[6:]} on {device.type}")
     # NOTE: in a thread of its own, so the caller never starts an OpenMP team (threads.py)
     model, tokenizer = in_pool(lambda: load_hf_dir(hf_dir, dtype, device), threads)
-    fp = fingerprint(hf_dir)
     if cfg.quantize == "int8":
         in_pool(lambda: quantize_int8(model), threads)
         fp = xxhash.xxh3_128_hexdigest(f"{fp}:int8-dynamic:{torch.__version__}".encode())
     elapsed = time.perf_counter() - t0
     log.info("model_loaded", source=cfg.source, path=str(hf_dir), dtype=str(dtype),
              device=str(device), fingerprint=fp[:16], seconds=round(elapsed, 2))
-    return LoadedModel(model, tokenizer, fp, dtype, device, str(hf_dir), elapsed, threads)
+    return LoadedModel(model, tokenizer, fp, dtype, device, str(hf_dir), elapsed, threads,
+                       choice)
+
+
+def _measure_bf16(hf_dir: Path, device: torch.device, prompts: Sequence[Calibration]
+                  ) -> DtypeChoice:
+    """bf16 against fp32 on `prompts` (`precision.compare`)."""
+    if not prompts:
+        return compare(([], []), ([], []))
+    model, tokenizer = load_hf_dir(hf_dir, torch.float32, device)
+    fp32 = greedy_answers(model, tokenizer, prompts)
+    model.to(torch.bfloat16)
+    bf16 = greedy_answers(model, tokenizer, prompts)
+    return compare(fp32, bf16)
 
 
 def load_hf_dir(hf_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:

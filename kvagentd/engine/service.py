@@ -214,6 +214,11 @@ class Engine:
         return {
             "model": self.loaded.name, "fingerprint": self.loaded.fingerprint[:16],
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "dtype_reason": (self.loaded.dtype_choice.reason if self.loaded.dtype_choice
+                             else None),
+            "precision_check": (self.loaded.dtype_choice.as_dict() if self.loaded.dtype_choice
+                                else None),
+            "threads": self.loaded.threads,
             "cpu_native_bf16": cpu_native_bf16(),
             "device": str(self.loaded.device), "load_s": round(self.loaded.load_s, 2),
             "block_tokens": g.block_tokens, "sessions": self.table.count(),

