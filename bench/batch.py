@@ -17,6 +17,7 @@ Sections (`--sections`, all by default); decode, fresh and prefill run once per 
               finished commentary
   fairness    with ticks using all capacity: an operator question's time to first token and a
               weekly report's completion time
+  memory      8 assets ticking for 10 minutes: RSS and the Python heap (tracemalloc) flat
   precision   the agent's tick requests recorded in fp32, replayed in fp32, bf16 and int8
               weights: share of ticks with the same greedy text, first-token logits error
 Every timed path runs in a thread that owns torch's intra-op pool, as the engine's model worker
@@ -128,6 +129,17 @@ def assets(lm: Any, root: Path, args: argparse.Namespace, fig: dict[str, Any]) -
                 title=f"assets ticking every 3 s, {args.minutes:g} min per level")
 
 
+def memory(lm: Any, root: Path, args: argparse.Namespace, fig: dict[str, Any]) -> None:
+    r = runs.memory_flat(lm, root, args.memory_assets, args.memory_minutes * 60.0)
+    fig["memory"] = r
+    print_table(["assets", "minutes", "steps", "ticks", "RSS MiB (after warm-up)", "RSS MiB/min",
+                 "heap MiB/min"],
+                [[r["assets"], args.memory_minutes, r["steps"], r["ticks"],
+                  f"{r['rss_first_mib']:.0f} -> {r['rss_last_mib']:.0f}",
+                  r["rss_growth_mib_per_min"], r["heap_growth_mib_per_min"]]],
+                title="memory over a steady tick load")
+
+
 def fairness(lm: Any, root: Path, args: argparse.Namespace, fig: dict[str, Any]) -> None:
     found = fig.get("assets", {}).get("largest_ok", 0)
     n = args.fairness_assets or max(2, found + 2)  # past capacity: ticks use all of it
@@ -192,6 +204,14 @@ def goals(figs: dict[str, dict[str, Any]]) -> list[Goal]:
         if "assets" in fig:
             out.append(Goal(f"{tag}: assets per box (p99 < 3 s, none skipped, >= 90 % "
                             f"commented)", fig["assets"]["largest_ok"], ">=", 8))
+        if "memory" in fig:
+            m = fig["memory"]
+            # NOTE: flat within noise: under 1 MiB a minute after warm-up (a leak of one
+            # 16-token block per step would be ~100 MiB a minute)
+            out.append(Goal(f"{tag}: RSS growth over a steady tick load", m[
+                "rss_growth_mib_per_min"], "<=", 1.0, " MiB/min"))
+            out.append(Goal(f"{tag}: Python heap growth over a steady tick load",
+                            m["heap_growth_mib_per_min"], "<=", 1.0, " MiB/min"))
         if "fairness" in fig:
             f = fig["fairness"]
             out.append(Goal(f"{tag}: ask first token under a full tick load",
@@ -228,11 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     single_threaded_default()
     p = argparse.ArgumentParser(prog="python -m bench.batch", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run (minutes)")
-    p.add_argument("--sections", default="decode,fresh,prefill,assets,fairness,precision")
+    p.add_argument("--sections", default="decode,fresh,prefill,assets,fairness,memory,precision")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--minutes", type=float, default=2.0, help="per assets level")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--full", action="store_true", help="decode at 1, 4, 8 and 16 sessions")
+    p.add_argument("--memory-minutes", type=float, default=10.0)
+    p.add_argument("--memory-assets", type=int, default=8)
     args, _ = p.parse_known_args(argv)  # `python -m bench batch` passes the name through
     q = args.quick
     args.sessions = (1, 4) if q else ((1, 4, 8, 16) if args.full else (1, 16))
@@ -243,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     args.levels = (1, 2) if q else LEVELS
     args.minutes = 0.35 if q else args.minutes
     args.fairness_assets = 2 if q else 0
+    args.memory_minutes = 1.0 if q else args.memory_minutes
     args.warmup_s, args.report_tokens = (8.0, 16) if q else (60.0, 96)
     args.precision_assets, args.precision_s = (2, 15.0) if q else (4, 120.0)
     sections = {s.strip() for s in args.sections.split(",")}
@@ -252,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     before = machine()
     try:
         for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
-            todo = [s for s in ("decode", "fresh", "prefill", "assets", "fairness")
+            todo = [s for s in ("decode", "fresh", "prefill", "assets", "fairness", "memory")
                     if s in sections]
             if not todo:
                 break

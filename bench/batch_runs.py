@@ -4,6 +4,7 @@ and returns a JSON-ready dict. Kept apart from the table and goal code in `batch
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import shutil
 import statistics
@@ -475,3 +476,38 @@ def first_logits_error(ref: LoadedModel, other: LoadedModel,
     a = in_pool(lambda: logits(ref), ref.threads)
     b = in_pool(lambda: logits(other), other.threads)
     return max((float((x - y).abs().max()) for x, y in zip(a, b)), default=0.0)
+
+
+def rss_mib() -> float:
+    """Resident set size of this process now (not the peak)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * (os.sysconf("SC_PAGE_SIZE") / 2**20)
+
+
+def memory_flat(lm: LoadedModel, root: Path, n: int, seconds: float,
+                every_s: float = 30.0) -> dict[str, Any]:
+    """n assets ticking for `seconds`: RSS and Python heap (tracemalloc) sampled every
+    `every_s`; growth measured after the first fifth (warm-up: sessions, caches, pools fill)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    samples: list[tuple[float, float, float]] = []
+    try:
+        with agent_for(lm, root, n, 16) as (agent, eng, _):
+            t0 = time.monotonic()
+            while (now := time.monotonic() - t0) < seconds:
+                time.sleep(min(every_s, seconds - now))
+                cur, _peak = tracemalloc.get_traced_memory()
+                samples.append((time.monotonic() - t0, rss_mib(), cur / 2**20))
+            steps = eng.executor.step_count
+            ticks = sum(st.ticks for st in agent.assets.values())
+    finally:
+        tracemalloc.stop()
+    warm = [s for s in samples if s[0] >= seconds / 5] or samples
+    span_min = max(1e-9, (warm[-1][0] - warm[0][0]) / 60.0)
+    return {"assets": n, "seconds": seconds, "steps": steps, "ticks": ticks,
+            "samples": samples,
+            "rss_growth_mib_per_min": (warm[-1][1] - warm[0][1]) / span_min,
+            "heap_growth_mib_per_min": (warm[-1][2] - warm[0][2]) / span_min,
+            "rss_first_mib": warm[0][1], "rss_last_mib": warm[-1][1]}

@@ -101,7 +101,7 @@ class KVConfig:
     cold_ttl_s: float = field(default=3600.0, metadata=_rng(1.0, None))
     o_direct: bool = True
     persist_on_shutdown: bool = True
-    io_threads: int = field(default=2, metadata=_rng(1, 64))
+    io_threads: int = field(default=4, metadata=_rng(1, 64))
     # committed hot and warm blocks are written to the cold tier every interval (0 = only at
     # a graceful stop), so a power cut loses at most that interval of KV; at most this rate
     write_behind_interval_s: float = field(default=30.0, metadata=_rng(0.0, 86400.0))

@@ -19,17 +19,28 @@ from typing import Any, Literal
 
 import structlog
 
+from kvagentd.engine.attention import SPLIT_MIN_QUERIES
 from kvagentd.engine.cache import HotPoolCache, Workspaces
 from kvagentd.engine.kv import SequenceKV
+from kvagentd.engine.memo import LogitsMemo
 from kvagentd.engine.paged import PagedKV, PagedScratch
 from kvagentd.engine.rows import BatchRows
 from kvagentd.engine.scheduler import Need, Resources
 from kvagentd.engine.sequence import Sequence
-from kvagentd.kvcache.base import BlockKey, KVStore
+from kvagentd.kvcache.base import BlockKey, KVStore, MatchResult
 
 log = structlog.get_logger(__name__)
 
 Layout = Literal["contiguous", "paged"]
+
+
+def _recompute_cheaper(stored: int, total: int) -> bool:
+    """A long prompt behind a short stored prefix (a new session's first turn behind a shared
+    template header) is prefilled whole: recomputing the few stored tokens costs less than
+    attending a long chunk past them (`attention.SPLIT_MIN_QUERIES`: two flash calls and a
+    merge, about 35 % more attention time than one causal call at 2,000 tokens)."""
+    rest = total - stored
+    return 0 < stored * 8 <= rest and rest >= SPLIT_MIN_QUERIES
 
 
 class BatchMemoryExceeded(RuntimeError):
@@ -40,7 +51,7 @@ class BlockManager:
     """Admission of sequences onto hot blocks; not thread-safe (the model worker calls it)."""
 
     def __init__(self, store: KVStore, *, layout: Layout, budget_bytes: int,
-                 rows: BatchRows | None = None,
+                 rows: BatchRows | None = None, memo: LogitsMemo | None = None,
                  on_recompute: Callable[[int], None] | None = None) -> None:
         self.store = store
         self.geometry = store.geometry
@@ -54,6 +65,7 @@ class BlockManager:
                 f"the batch workspace ({self.rows_bytes} bytes) exceeds "
                 f"executor.batch_memory_bytes ({budget_bytes})")
         self.on_recompute = on_recompute
+        self.memo = memo
         # the private working copies of sequences longer than a row share what rows leave
         self.workspaces = Workspaces(self.geometry, self.arena.device,
                                      budget_bytes - self.rows_bytes)
@@ -103,6 +115,8 @@ class BlockManager:
         res = seq.result
         t0 = time.perf_counter()
         match = self.store.match_prefix(ids)
+        if _recompute_cheaper(len(match.keys) * bt, len(ids)):
+            match = MatchResult([], 0)
         t1 = time.perf_counter()
         residency = self.store.ensure_resident(match.keys, sid)
         t2 = time.perf_counter()
@@ -123,7 +137,12 @@ class BlockManager:
         if slots is None:
             self.store.release(sid)
             return False
-        kv = self._bind(seq, usable, slots, all_cached, total)
+        # every id stored: the logits that followed them, when known, give the first token
+        # without running the last id again (contiguous layout)
+        memo = (self.memo.get(ids) if all_cached and self.memo is not None
+                and self.layout == "contiguous" and len(usable) * bt == len(ids) else None)
+        kv = self._bind(seq, usable, slots, all_cached and memo is None, total)
+        seq.first_logits = memo
         if kv is None:
             self.store.release(sid)
             return False

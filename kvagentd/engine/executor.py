@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import structlog
+import torch
 
 from kvagentd.config import ExecutorConfig
 from kvagentd.engine.blocks import BlockManager
@@ -249,29 +250,76 @@ class Executor:
             return False
         t0 = time.perf_counter()
         items = [(s, s.chunk(n), s.pending == n) for s, n in work]
-        try:
-            logits = self.runner.forward([(s.kv_or_fail(), ids, last) for s, ids, last in items])
-            t1 = time.perf_counter()
-            rows = [s for s, _, last in items if last]
-            tokens = choose(logits, rows, self.tokenizer)
-            if any(s.rules is not None for s in rows):
-                self.constraint_s += time.perf_counter() - t1
-                self.constrained_steps += 1
-        except Exception as exc:  # noqa: BLE001 - the batch fails, the worker serves on
-            log.error("batch_forward_failed", size=len(items), error=f"{type(exc).__name__}: {exc}")
-            for s, _, _ in items:
-                self._fail(s, exc)
+        items, logits = self._forward(items)
+        if not items:
             return True
+        rows = [s for s, _, last in items if last]
+        logits, rows = self._finite(logits, rows)
+        t1 = time.perf_counter()
+        if self.blocks.memo is not None:
+            for i, s in enumerate(rows):
+                if s.choosing_first:  # before constraints mask them
+                    self.blocks.memo.put(s.tokens, logits[i])
+        tokens = choose(logits, rows, self.tokenizer) if rows else []
+        if any(s.rules is not None for s in rows):
+            self.constraint_s += time.perf_counter() - t1
+            self.constrained_steps += 1
         dt = time.perf_counter() - t0
         self._record_step(len(items), sum(len(ids) for _, ids, _ in items), dt)
-        it = iter(tokens)
+        chosen = dict(zip(map(id, rows), tokens))
         for s, _, last in items:
             s.job.steps += 1
-            if last:
-                why = s.accept(int(next(it)), self.chat, self.tokenizer)
+            if last and id(s) in chosen:
+                why = s.accept(int(chosen[id(s)]), self.chat, self.tokenizer)
                 if why is not None:
                     self._end(s, why)
         return True
+
+    def _forward(self, items: list[tuple[Sequence, list[int], bool]]
+                 ) -> tuple[list[tuple[Sequence, list[int], bool]], Any]:
+        """One forward over every item; when it raises, each item again alone, so that only
+        the sequences whose own forward fails lose their job (a KV advances only when its
+        step completes: a failed step leaves every sequence as it was)."""
+        try:
+            return items, self.runner.forward([(s.kv_or_fail(), ids, last)
+                                               for s, ids, last in items])
+        except Exception as exc:  # noqa: BLE001 - found below, per sequence
+            log.warning("batch_forward_failed", size=len(items),
+                        error=f"{type(exc).__name__}: {exc}", retry="each sequence alone")
+            if len(items) == 1:
+                self._fail(items[0][0], exc)
+                return [], None
+        kept, rows = [], []
+        for item in items:
+            s, ids, last = item
+            try:
+                out = self.runner.forward([(s.kv_or_fail(), ids, last)])
+            except Exception as exc:  # noqa: BLE001 - this sequence's job fails, not the batch
+                self._fail(s, exc)
+                continue
+            kept.append(item)
+            if last:
+                rows.append(out)
+        return kept, (torch.cat(rows) if rows else None)
+
+    def _finite(self, logits: Any, rows: list[Sequence]) -> tuple[Any, list[Sequence]]:
+        """Rows whose logits are not all finite fail their own job (the model produced NaN
+        or inf for that sequence); the others go on."""
+        if not rows:
+            return logits, rows
+        ok = logits.isfinite().all(-1)
+        if bool(ok.all()):
+            return logits, rows
+        keep = []
+        for i, s in enumerate(rows):
+            if bool(ok[i]):
+                keep.append(i)
+            else:
+                self._fail(s, FloatingPointError(
+                    f"session {s.session_id!r}: the model's logits are not finite (NaN or "
+                    f"inf) at position {len(s.tokens) - 1}; this request ends, its KV is not "
+                    f"stored"))
+        return logits[keep], [rows[i] for i in keep]
 
     # -- transitions ------------------------------------------------------------------------
 
@@ -333,6 +381,11 @@ class Executor:
         with self._cond:
             self._waiting.remove(s)
             self._running.append(s)
+        if s.first_logits is not None:  # resumed with its next token's logits: no forward
+            logits, s.first_logits = s.first_logits.clone().unsqueeze(0), None
+            why = s.accept(choose(logits, [s], self.tokenizer)[0], self.chat, self.tokenizer)
+            if why is not None:
+                self._end(s, why)
 
     def _preempt(self, s: Sequence) -> None:
         try:

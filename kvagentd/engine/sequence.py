@@ -70,6 +70,7 @@ class Sequence:
         self.n_forced = 0  # ids of the opening, fed as the answer's first ids
         self.rules: Rules | None = None
         self.guard_gave_up = False  # its guard refused every candidate once: not asked again
+        self.first_logits: Any = None  # logits of its first token, known at admission (memo)
         self.kv: SequenceKV | None = None
         self.used_keys: list[bytes] = []  # stored keys of its leading blocks, held while running
         self.blocks_held = 0  # hot blocks it holds while running (reused + private)
@@ -125,6 +126,11 @@ class Sequence:
         return self.job.submitted_at
 
     @property
+    def choosing_first(self) -> bool:
+        """Its next token is the answer's first one."""
+        return len(self.tokens) == self.n_prompt + self.n_forced
+
+    @property
     def generated(self) -> list[int]:
         return self.tokens[self.n_prompt:]
 
@@ -169,7 +175,7 @@ class Sequence:
 
     def accept(self, token: int, chat: ChatFormat, tokenizer: Any) -> str | None:
         """Take the next greedy token; returns why the sequence ends now, or None."""
-        first = len(self.tokens) == self.n_prompt + self.n_forced
+        first = self.choosing_first
         self.tokens.append(token)
         if first:
             now = self.first_token_at = time.perf_counter()

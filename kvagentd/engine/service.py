@@ -30,6 +30,7 @@ from kvagentd.engine.blocks import BatchMemoryExceeded, BlockManager, Layout
 from kvagentd.engine.executor import Executor, GenerationRequest, Job, Priority, SessionBusy
 from kvagentd.engine.metrics import EngineMetrics
 from kvagentd.engine.model import LoadedModel, cpu_native_bf16
+from kvagentd.engine.memo import LogitsMemo
 from kvagentd.engine.rows import BatchRows
 from kvagentd.engine.runner import ModelRunner
 from kvagentd.engine.sequence import GenerationResult
@@ -160,8 +161,10 @@ class Engine:
         self.runner = ModelRunner(loaded.model, device=device,
                                   max_step_tokens=max(cfg.step_tokens, cfg.prefill_tokens),
                                   rows=rows)
+        self.memo = LogitsMemo()
         self.blocks = BlockManager(store, layout=layout,
                                    budget_bytes=int(cfg.batch_memory_bytes), rows=rows,
+                                   memo=self.memo,
                                    on_recompute=self.metrics.recomputed_tokens.inc)
         self.executor = Executor(self.runner, self.blocks, self.table, self.chat,
                                  loaded.tokenizer, cfg, metrics=self.metrics,

@@ -256,3 +256,50 @@ def test_a_turn_taken_back_leaves_the_session_as_before_it(engine: Engine, tiny:
     got = engine.table.get("r").token_ids[len(ids): len(ids) + again.new_tokens]
     assert got == greedy_reference(tiny, ids, 8)[: again.new_tokens]
     engine.store.check_integrity()
+
+
+def test_a_sequence_whose_step_fails_or_gives_nan_fails_alone(engine: Engine, tiny: LoadedModel,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """A forward that raises is run again per sequence: only the one whose own forward raises
+    fails; a row of non-finite logits fails its own job; the batch goes on, and the others
+    decode exactly what they decode alone."""
+    alone = {f"q{i}": engine.ask(f"a{i}", f"question {i} about the fan", max_new_tokens=8,
+                                 system="sys").text for i in range(3)}
+    runner = engine.runner
+    real = runner.forward
+    bad_kv: dict[str, object] = {}
+
+    def forward(work):  # the session "q1" raises whenever it is in a step
+        if any(kv is bad_kv.get("raise") for kv, _, _ in work):
+            raise RuntimeError("simulated kernel failure")
+        out = real(work)
+        nan_kv = bad_kv.get("nan")
+        rows = [kv for kv, _, last in work if last]
+        for i, kv in enumerate(rows):
+            if kv is nan_kv:
+                out[i] = float("nan")
+        return out
+
+    monkeypatch.setattr(runner, "forward", forward)
+    real_admit = engine.blocks.admit
+
+    def admit(seq):
+        ok = real_admit(seq)
+        if ok and seq.session_id == "q1":
+            bad_kv["raise"] = seq.kv
+        if ok and seq.session_id == "q2":
+            bad_kv["nan"] = seq.kv
+        return ok
+
+    monkeypatch.setattr(engine.blocks, "admit", admit)
+    jobs = {f"q{i}": engine.submit(GenerationRequest(f"q{i}", f"question {i} about the fan",
+                                                     "sys", 8)) for i in range(3)}
+    assert jobs["q0"].result(60).text == alone["q0"]
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        jobs["q1"].result(60)
+    with pytest.raises(FloatingPointError, match="not finite"):
+        jobs["q2"].result(60)
+    assert engine.executor.running
+    assert engine.table.get("q1") is None and engine.table.get("q2") is None
+    engine.store.check_integrity()
