@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="decode at 1, 4, 8 and 16 sessions")
     p.add_argument("--memory-minutes", type=float, default=10.0)
     p.add_argument("--memory-assets", type=int, default=8)
+    p.add_argument("--levels", default=",".join(map(str, LEVELS)),
+                   help="asset counts to try in turn, until one fails")
     args, _ = p.parse_known_args(argv)  # `python -m bench batch` passes the name through
     q = args.quick
     args.sessions = (1, 4) if q else ((1, 4, 8, 16) if args.full else (1, 16))
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args.new = 8 if q else 32
     args.fresh, args.fresh_tokens, args.fresh_new = (4, 96, 8) if q else (16, 180, 32)
     args.prefill_tokens = 256 if q else 2000
-    args.levels = (1, 2) if q else LEVELS
+    args.levels = (1, 2) if q else tuple(int(n) for n in args.levels.split(","))
     args.minutes = 0.35 if q else args.minutes
     args.fairness_assets = 2 if q else 0
     args.memory_minutes = 1.0 if q else args.memory_minutes
