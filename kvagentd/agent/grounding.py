@@ -15,7 +15,7 @@ when it
 - states a number that is not in the evidence the model was given (`evidence`: for a tick,
   the user turns of its session, its first turn's summary included); a number matches when it
   equals one there at the precision it is written with, or
-  lies within 2 % of it.
+  lies within 2 % of it; a clock time or date is one token and matches only itself.
 A phrase preceded by a negation ("no", "not", "without", "nothing" ... within three words) is
 not a claim.
 The checks are deliberately literal: they cannot tell a paraphrase that is right from one
@@ -90,10 +90,23 @@ def _claims(pattern: re.Pattern[str], text: str) -> list[str]:
     return [m.group(0) for m in pattern.finditer(text) if not _negated(text, m.start())]
 
 
+# A clock time or a date is one token, not numbers: "10:00:03" in a turn grounds the time
+# 10:00:03, not a reading of 0 or 3 ("RMS 0 mm/s" once passed on a session whose turns held
+# ":00" seconds).
+CLOCK_RE = re.compile(r"(?<![\w.:])(?:\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2})?Z?)?|"
+                      r"\d{1,2}:\d{2}(?::\d{2})?)(?!\w|:\d)")
+
+
+def clocks(text: str) -> tuple[set[str], str]:
+    """The clock times and dates written in `text`, and `text` without them."""
+    found = {m.group(0) for m in CLOCK_RE.finditer(text)}
+    return found, CLOCK_RE.sub(" ", text) if found else text
+
+
 def numbers(text: str) -> list[tuple[float, int]]:
-    """(value, decimals written) of each number in `text`."""
+    """(value, decimals written) of each number in `text` (clock times and dates aside)."""
     out = []
-    for m in NUMBER_RE.finditer(text):
+    for m in NUMBER_RE.finditer(clocks(text)[1]):
         s = m.group(0)
         rest = text[m.end():m.end() + 2]
         if _LINE_NAME_RE.match(rest) and (rest[1:2].isalpha() or
@@ -130,6 +143,9 @@ def check(text: str | None, diagnosis: Mapping[str, Any], evidence: str, *,
     invented = [v for v, d in numbers(text) if not _grounded(v, d, allowed)]
     if invented:
         reasons.append(f"states {invented[0]:g}, a number not in the evidence")
+    times = sorted(clocks(text)[0] - clocks(evidence)[0])
+    if times:
+        reasons.append(f"states the time {times[0]}, not in the evidence")
     return Verdict(not reasons, tuple(reasons))
 
 
@@ -222,7 +238,7 @@ def number_prefixes(evidence: str) -> frozenset[str]:
     """Every prefix of every number written in `evidence` (signs dropped): a number being
     written digit by digit is on its way to one of them while its text is in this set."""
     out: set[str] = set()
-    for m in NUMBER_RE.finditer(evidence):
+    for m in NUMBER_RE.finditer(clocks(evidence)[1]):
         s = m.group(0).lstrip("+-")
         out.update(s[:i] for i in range(1, len(s) + 1))
         if "." not in s:
@@ -250,14 +266,23 @@ def constraints(diagnosis: Mapping[str, Any], context: str, current: str,
     else:
         banned += ALARM_WORDS + SEVERE_WORDS
     grounded = number_prefixes(evidence)
+    values = [v for v, _ in numbers(evidence)]
 
     def guard(text: str) -> str | None:
         found = claims(text, diagnosis)
         if found:
             return found[0]
+        # A number still being written must be on its way to one of the evidence; one that a
+        # token has ended must be one (as the referee judges it): "0" on its way to "0.96"
+        # may not be followed by " mm/s".
         m = _TRAILING_NUMBER_RE.search(text)
-        if m is not None and m.group(0).lstrip("+-") not in grounded:
-            return f"{m.group(0)} begins no number of the evidence"
+        if m is not None:
+            if m.group(0).lstrip("+-") not in grounded:
+                return f"{m.group(0)} begins no number of the evidence"
+            text = text[:m.start()]
+        for value, decimals in numbers(text):
+            if not _grounded(value, decimals, values):
+                return f"states {value:g}, a number not in the evidence"
         return None
 
     return Constraints(opening=opening(diagnosis), banned=tuple(dict.fromkeys(banned)),

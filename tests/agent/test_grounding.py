@@ -111,3 +111,28 @@ def test_constraints_steer_each_diagnosis_toward_what_the_check_accepts() -> Non
     c = grounding.constraints(high, "", "")
     assert "critical" not in c.banned and c.opening == "Imbalance:"
     assert grounding.opening({"fault": "none", "zone": "C"}) == "Zone C vibration:"
+
+
+def test_a_number_ended_short_of_the_evidence_is_refused_and_withheld() -> None:
+    """"0" is on its way to "0.95", but a token that ends it there states 0: the guard refuses
+    it and the referee withholds it, even when the session's turns hold clock times whose
+    seconds read ":00" (a time is one token, not the numbers 10, 0 and 3)."""
+    healthy = {"fault": "none", "zone": "A"}
+    context = "10:00:00. No fault; RMS 0.93 mm/s, zone A.\nSummary 2026-12-07 10:00 to 10:05."
+    current = "10:00:03. No fault; RMS 0.95 mm/s, zone A."
+    c = grounding.constraints(healthy, context, current)
+    assert c.guard is not None
+    assert c.guard("No fault: RMS 0") is None and c.guard("No fault: RMS 0.") is None
+    assert "states 0" in (c.guard("No fault: RMS 0mm") or "")
+    assert "states 0" in (c.guard("No fault: RMS 0 mm/s") or "")
+    assert "states 0" in (c.guard("No fault: RMS 0. mm/s") or "")
+    assert c.guard("No fault: RMS 0.95 mm/s in zone A.") is None
+    evidence = f"{context}\n{current}"
+    for text in ("No fault: RMS 0mm/s in zone A; no action.",
+                 "No fault: RMS 3 mm/s in zone A; no action."):
+        v = grounding.check(text, healthy, evidence)
+        assert not v.ok and "a number not in the evidence" in v.reasons[0], text
+    assert grounding.check("No fault at 10:00:03: RMS 0.95 mm/s.", healthy, evidence).ok
+    v = grounding.check("No fault at 10:07:00: RMS 0.95 mm/s.", healthy, evidence)
+    assert not v.ok and "the time 10:07:00" in v.reasons[0]
+    assert grounding.numbers(evidence) == [(0.93, 2), (0.95, 2)]
