@@ -111,6 +111,8 @@ class ControlHandler(BaseHTTPRequestHandler):
         self.bytes_in_request = 0
         self.responded = False
         self.body_consumed = False
+        # NOTE: what the error replies and the request log read, before the line is parsed
+        self.requestline, self.request_version, self.command = "", "HTTP/1.0", ""
         self.deadline = time.monotonic() + self.ctl.cfg.header_timeout_s
         if self.ctl.stopping:
             self.close_connection = True
@@ -153,7 +155,8 @@ class ControlHandler(BaseHTTPRequestHandler):
                 return False
         return super().handle_expect_100()
 
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = lambda self: self._dispatch()  # noqa: E731
+    do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = (  # noqa: E731
+        lambda self: self._dispatch())
 
     def _dispatch(self) -> None:
         started = time.monotonic()
@@ -188,6 +191,7 @@ class ControlHandler(BaseHTTPRequestHandler):
         if getattr(self.headers, "defects", None):
             self.close_connection = True
             raise BadRequest(f"malformed header block: {self.headers.defects[0]!r}")
+        self._check_framing()
         target = self.path
         if not target.startswith("/"):
             parts = urlsplit(target)  # absolute-form, e.g. http://localhost/v1/status
@@ -200,17 +204,38 @@ class ControlHandler(BaseHTTPRequestHandler):
                                    max_num_fields=100))
         except ValueError as exc:
             raise BadRequest(f"bad query string: {exc}") from None
-        route, params = self.ctl.router.match(self.command, path)
-        self.ctl.policy.check(self.peer, self.command, path, route.change)
+        method = "GET" if self.command == "HEAD" else self.command  # HEAD: GET without a body
+        route, params = self.ctl.router.match(method, path)
+        self.ctl.policy.check(self.peer, method, path, route.change)
         if not route.before_ready and not self.ctl.is_ready():
             raise NotReady("kvagentd is not ready (starting or stopping); "
                            "retry when GET /v1/readyz answers 200")
         body = self._read_body()
         headers = {k.lower(): v for k, v in self.headers.items()}
-        req = Request(method=self.command, path=path, params=params, query=query,
+        req = Request(method=method, path=path, params=params, query=query,
                       headers=headers, body=body, peer=self.peer, route=route.pattern,
                       operator=self.ctl.policy.may_change(self.peer))
         return req, route
+
+    def _check_framing(self) -> None:
+        """RFC 9112 message framing: a request whose length is ambiguous is refused (400) and
+        its connection closed, since a peer behind it could read the body as the next request
+        (section 6.3); so is a header folded over lines (obs-fold, section 5.2) or a value
+        with a bare CR or LF in it."""
+        lengths = self.headers.get_all("Content-Length") or []
+        problem = ""
+        if len({v.strip() for v in lengths}) > 1:
+            problem = f"{len(lengths)} different Content-Length headers"
+        elif lengths and "Transfer-Encoding" in self.headers:
+            problem = "both Content-Length and Transfer-Encoding"
+        else:
+            for name, value in self.headers.items():
+                if "\r" in value or "\n" in value:
+                    problem = f"header {name[:40]!r} folded over lines or holding a bare CR/LF"
+                    break
+        if problem:
+            self.close_connection = True
+            raise BadRequest(f"ambiguous request framing: {problem} (RFC 9112)")
 
     def _has_body(self) -> bool:
         return ("Transfer-Encoding" in self.headers
@@ -315,6 +340,17 @@ class ControlHandler(BaseHTTPRequestHandler):
     def _send_stream(self, status: int, items: Iterator[Any], ctype: str | None,
                      headers: dict[str, str]) -> int:
         try:
+            if self.command == "HEAD":  # the headers GET would send; the producer never runs
+                self._prepare_write()
+                self.send_response(status)
+                self.send_header("Content-Type", ctype or NDJSON_TYPE)
+                self.send_header("Cache-Control", "no-cache")
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                if self.request_version == "HTTP/1.1":
+                    self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                return status
             try:
                 first = next(items)
             except StopIteration:

@@ -104,6 +104,10 @@ class NotImplementedMethod(ApiError):
     status, kind = 501, "not_implemented"
 
 
+class VersionNotSupported(ApiError):
+    status, kind = 505, "http_version_not_supported"
+
+
 class NotReady(ApiError):
     """The daemon (or the service a route needs) is not up yet, or is shutting down."""
 
@@ -135,7 +139,8 @@ _MAPPED_BY_NAME: dict[str, type[ApiError]] = {
 _BY_STATUS: dict[int, type[ApiError]] = {
     cls.status: cls
     for cls in (BadRequest, Forbidden, NotFound, MethodNotAllowed, RequestTimeout, Busy,
-                LengthRequired, TooLarge, Internal, NotImplementedMethod, NotReady, Timeout)
+                LengthRequired, TooLarge, Internal, NotImplementedMethod, NotReady, Timeout,
+                VersionNotSupported)
 }
 
 

@@ -42,6 +42,36 @@ class Peer:
         return gid is not None and (gid == self.gid or gid in self.groups)
 
 
+# JSON may escape a UTF-16 surrogate on its own ("\ud800"); Python decodes it to a str that no
+# encoder, tokenizer or log line accepts. Raw UTF-8 cannot hold one (it fails to decode), so
+# only a body with such an escape is walked.
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The dotted path of the first string (key or value) holding a lone surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if _lone_surrogate(k, "") is not None:
+                return f"{path}.<key>" if path else "<key>"
+            found = _lone_surrogate(v, sub)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     """One parsed request. `params` come from `{name}` segments of the route pattern."""
@@ -61,13 +91,19 @@ class Request:
         if not self.body.strip():
             return {}
         try:
-            return json.loads(self.body)
+            data = json.loads(self.body)
         except RecursionError:
             raise BadRequest("request body is JSON nested too deeply") from None
         except (UnicodeDecodeError, ValueError) as exc:
             # NOTE: ValueError besides JSONDecodeError: an integer of more than 4300 digits
             # (sys.int_info.str_digits_check_threshold) is refused by int() while parsing.
             raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        if _ESCAPED_SURROGATE.search(self.body):
+            where = _lone_surrogate(data, "")
+            if where is not None:
+                raise BadRequest(f"field {where or '(the body)'!r} holds a lone UTF-16 surrogate "
+                                 f"(an escape \\ud800-\\udfff not part of a pair): not text")
+        return data
 
     def json_object(self) -> dict[str, Any]:
         """The body as a JSON object; raises BadRequest for any other JSON value."""

@@ -85,3 +85,78 @@ def test_a_job_that_never_ran_is_busy_not_internal(h: Harness) -> None:
         r = c.post("/test/not-run")
     assert r.status_code == 409 and r.json()["error"]["kind"] == "busy"
     assert "deadline passed" in r.json()["error"]["message"]
+
+
+# -- RFC 9112 framing ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head", [
+    b"Content-Length: 2\r\nContent-Length: 3\r\n",          # which one frames the body?
+    b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n",  # the request-smuggling shape
+    b"Content-Length: 2\r\nX-Folded: a\r\n b\r\n",          # obs-fold
+])
+def test_ambiguous_framing_is_400_and_closes(h: Harness, head: bytes) -> None:
+    raw = h.raw(b"POST /test/echo HTTP/1.1\r\n" + head + b"\r\n{}GET /v1/livez HTTP/1.1\r\n\r\n")
+    got, body = _status_and_body(raw)
+    assert got == 400 and "RFC 9112" in body["error"]["message"], raw[:300]
+    assert raw.count(b"HTTP/1.1 ") == 1  # nothing after it was read as a request
+    assert h.alive()
+
+
+def test_repeated_equal_content_length_is_one_length(h: Harness) -> None:
+    raw = h.raw(b"POST /test/echo HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n"
+                b"Connection: close\r\n\r\n{}")
+    assert _status_and_body(raw) == (200, {"body": {}, "query": {}})
+
+
+@pytest.mark.parametrize("version", [b"HTTP/2.0", b"HTTP/9.9"])
+def test_other_http_versions_are_505_with_their_own_kind(h: Harness, version: bytes) -> None:
+    got, body = _status_and_body(h.raw(b"GET /v1/livez " + version + b"\r\n\r\n"))
+    assert got == 505 and body["error"]["kind"] == "http_version_not_supported"
+
+
+def test_head_is_get_without_a_body(h: Harness) -> None:
+    with h.client() as c:
+        get = c.get("/v1/livez")
+        head = c.head("/v1/livez")
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-length"] == get.headers["content-length"]
+        assert c.head("/v1/nope").status_code == 404
+        assert c.get("/v1/livez").status_code == 200  # the connection still frames correctly
+
+
+def test_head_of_a_stream_sends_headers_and_never_starts_it(h: Harness) -> None:
+    started: list[int] = []
+
+    @h.server.router.route("GET", "/test/lazy")
+    def lazy(req: Request) -> Iterator[dict[str, int]]:
+        def gen() -> Iterator[dict[str, int]]:
+            started.append(1)
+            yield {"i": 0}
+        return gen()
+
+    with h.client() as c:
+        r = c.head("/test/lazy")
+        assert r.status_code == 200 and r.content == b""
+        assert c.get("/v1/livez").status_code == 200
+    assert started == []
+
+
+def test_partial_request_line_then_silence_is_408(h: Harness) -> None:
+    raw = h.raw(b"GET /v1/li", shut_wr=False)  # the 1 s header deadline passes
+    got, body = _status_and_body(raw)
+    assert got == 408 and body["error"]["kind"] == "request_timeout"
+    assert h.alive()
+
+
+@pytest.mark.parametrize("payload,field", [
+    (b'{"question": "why \\ud800?"}', "question"),
+    (b'{"a": {"b": ["ok", "\\uDFFF"]}}', "a.b[1]"),
+    (b'"\\udc00"', "(the body)"),
+])
+def test_lone_surrogate_is_400_naming_the_field(h: Harness, payload: bytes, field: str) -> None:
+    with h.client() as c:
+        r = c.post("/test/echo", content=payload)
+        assert r.status_code == 400 and r.json()["error"]["kind"] == "bad_request"
+        assert repr(field) in r.json()["error"]["message"] and "surrogate" in r.text
+        ok = c.post("/test/echo", content=b'{"q": "\\ud83d\\ude00"}')  # a pair is text
+        assert ok.status_code == 200 and ok.json()["body"] == {"q": "\U0001f600"}
