@@ -141,6 +141,11 @@ class AccessPolicy:
                         f"you are uid {peer.uid} gid {peer.gid}")
 
 
+def ask_user(uid: int) -> str:
+    """The `<user>` of the daemon's session `<asset>:ask:<user>` for `uid`."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name_of_uid(uid))[:48]
+
+
 class SessionRules:
     """Which sessions are the daemon's, and who may ask in, read or drop a session.
 
@@ -155,6 +160,7 @@ class SessionRules:
         names = "|".join(re.escape(a) for a in assets)
         self._agent = re.compile(rf"(?:{names})-\d+|(?:{names}):ask:.*|report-(?:{names})-.*") \
             if assets else None
+        self._ask = re.compile(rf"(?:{names}):ask:(.*)") if assets else None
         self.globs = tuple(globs)
 
     @classmethod
@@ -185,8 +191,15 @@ class SessionRules:
 
     def may_read_text(self, peer: Peer, operator: bool, session_id: str,
                       owner: int | None) -> bool:
-        """Whether `peer` may read the conversation of an existing session."""
-        return operator or owner == peer.uid or self.is_daemon_session(session_id, True, owner)
+        """Whether `peer` may read the conversation of an existing session: an operator any;
+        others their own, and the daemon's except another user's questions about an asset
+        (`<asset>:ask:<user>` holds that user's words)."""
+        if operator:
+            return True
+        ask = self._ask.fullmatch(session_id) if self._ask is not None else None
+        if ask is not None:
+            return ask.group(1) == ask_user(peer.uid)
+        return owner == peer.uid or self.is_daemon_session(session_id, True, owner)
 
     def check_drop(self, peer: Peer, operator: bool, session_id: str, owner: int | None) -> None:
         """Raise Forbidden unless `peer` may drop an existing session."""

@@ -169,6 +169,26 @@ def test_listing_shows_owners_and_agent_transcripts_stay_readable(world: World) 
     assert status == 403
 
 
+def test_a_users_questions_about_an_asset_are_theirs_to_read(world: World) -> None:
+    from kvagentd.control.authz import ask_user
+
+    # The daemon writes `<asset>:ask:<user>` for whoever asked: their words, not the agent's.
+    theirs = f"pump-1:ask:{ask_user(OTHER + 1)}"
+    mine = f"pump-1:ask:{ask_user(NOBODY)}"
+    for sid in (theirs, mine):
+        world.engine.ask(sid, f"a private question in {sid}", max_new_tokens=2, timeout=60)
+    status, body = world.reader("GET", f"/v1/sessions/{theirs}/transcript")
+    assert status == 403 and body["error"]["kind"] == "not_owner"
+    status, body = world.reader("GET", f"/v1/sessions/{theirs}")
+    assert status == 200 and "tail" not in body and "tail_hidden" in body
+    status, body = world.reader("GET", f"/v1/sessions/{mine}/transcript")
+    assert status == 200 and f"a private question in {mine}" in body["text"]
+    status, body = world.operator("GET", f"/v1/sessions/{theirs}/transcript")
+    assert status == 200 and "a private question" in body["text"]
+    # the agent's own sessions stay readable to every reader
+    assert world.reader("GET", f"/v1/sessions/{AGENT_SESSION}/transcript")[0] == 200
+
+
 def test_a_failed_first_ask_leaves_no_session(world: World) -> None:
     from kvagentd.engine.executor import QueueFull
 

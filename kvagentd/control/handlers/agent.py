@@ -22,7 +22,7 @@ import re
 import time
 from typing import Any
 
-from kvagentd.control.authz import name_of_uid
+from kvagentd.control.authz import ask_user
 from kvagentd.control.errors import BadRequest, Busy, NotFound, NotReady, Storage, require_service
 from kvagentd.control.router import Request, Router
 
@@ -96,7 +96,8 @@ def register(router: Router, daemon: Any) -> None:
             raise (NotFound if "unknown asset" in str(exc) or "unknown event" in str(exc)
                    else BadRequest)(str(exc)) from None
         except OSError as exc:  # the reports directory cannot be written (a full disk ...)
-            raise Storage(f"cannot write the report: {exc.strerror or exc}"
+            raise Storage(f"cannot write the report in {agent().reports.dir}: "
+                          f"{exc.strerror or exc}"
                           + (f" ({exc.filename})" if exc.filename else "")) from None
         return {"id": rid, "state": "running", "started": time.time()}
 
@@ -123,8 +124,7 @@ def register(router: Router, daemon: Any) -> None:
                              "caller and that asset; 'session' is not accepted")
         # NOTE: one daemon-owned session per asset and caller (authz.SessionRules reserves
         # <asset>:ask:*), so nobody writes into another user's or the agent's sessions here.
-        user = re.sub(r"[^A-Za-z0-9_.-]", "_", name_of_uid(req.peer.uid))[:48]
-        session = f"{name}:ask:{user}"
+        session = f"{name}:ask:{ask_user(req.peer.uid)}"
         try:
             return dict(a.ask(name, question, session=session, max_tokens=max_tokens))
         except LookupError as exc:
