@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -38,7 +38,7 @@ def _dates(ts: Sequence[float]) -> list[dt.datetime]:
     return [dt.datetime.fromtimestamp(float(t), tz=dt.UTC) for t in ts]
 
 
-def trend_figure(path: Path, minutes: Sequence[Mapping[str, Any]],
+def trend_figure(path: Path | BinaryIO, minutes: Sequence[Mapping[str, Any]],
                  episodes: Sequence[Mapping[str, Any]], limits: tuple[float, float, float], *,
                  title: str, thresholds: Mapping[str, float] | None = None,
                  mark: tuple[float, str] | None = None) -> None:
@@ -118,10 +118,10 @@ def trend_figure(path: Path, minutes: Sequence[Mapping[str, Any]],
         ax1.text(0.5, 0.5, "no measurements in this period", transform=ax1.transAxes,
                  ha="center")
     fig.tight_layout()
-    fig.savefig(str(path), format="png")
+    fig.savefig(path, format="png")
 
 
-def spectrum_figure(path: Path, freqs: np.ndarray, ratio: np.ndarray,
+def spectrum_figure(path: Path | BinaryIO, freqs: np.ndarray, ratio: np.ndarray,
                     lines: Mapping[str, float], found: Sequence[Mapping[str, Any]], *,
                     title: str, threshold: float | None = None,
                     normal: tuple[np.ndarray, np.ndarray] | None = None,
@@ -160,4 +160,4 @@ def spectrum_figure(path: Path, freqs: np.ndarray, ratio: np.ndarray,
     ax.set_title(title)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(str(path), format="png")
+    fig.savefig(path, format="png")

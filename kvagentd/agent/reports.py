@@ -1,7 +1,10 @@
 """Weekly reports and anomaly replays, written under `<state_dir>/reports/`.
 
-A report `ID` is `weekly-<asset>-<UTC stamp>` or `replay-<event id>-<UTC stamp>` and consists of
-`ID.md`, `ID.json`, `ID.png` and, for a replay, `ID-spectrum.png`. While it is generated
+A report `ID` is `weekly-<asset>-<UTC stamp>-<random>` or `replay-<event id>-<UTC
+stamp>-<random>` (not guessable ahead, so nobody can plant a name it will take) and consists of
+`ID.md`, `ID.json`, `ID.png` and, for a replay, `ID-spectrum.png`, each written through
+`control.dumps.DumpDir` (never through a symlink, never into a directory that is not the
+daemon's alone). While it is generated
 `ID.json` holds `"state": "running"`; afterwards `"done"` or `"failed"` (with `error`).
 Generation runs in its own thread at REPORT priority, so it never delays ticks (the executor
 serves TICK requests first).
@@ -23,8 +26,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -42,6 +45,7 @@ from kvagentd.agent.report_content import (deterministic_summary, episodes, find
                                            replay_markdown, weekly_markdown, weekly_stats)
 from kvagentd.agent.windows import WindowStore
 from kvagentd.config import AssetConfig
+from kvagentd.control.dumps import DumpDir
 
 log = structlog.get_logger(__name__)
 
@@ -88,6 +92,10 @@ class ReportWriter:
         self.period_s = period_s
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        # NOTE: every file goes through the confined writer (the directory must be the daemon's
+        # alone; O_EXCL|O_NOFOLLOW temporary names, published by rename), so an entry planted in
+        # the directory is never written through.
+        self.files = DumpDir(self.dir)
         self._threads: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
 
@@ -132,10 +140,12 @@ class ReportWriter:
             return None
 
     def _write_json(self, report_id: str, doc: dict[str, Any]) -> None:
-        path = self.dir / f"{report_id}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        data = (json.dumps(doc, indent=2, default=str) + "\n").encode("utf-8")
+        self.files.replace(f"{report_id}.json", lambda f: f.write(data))
+
+    def _write_text(self, name: str, text: str) -> None:
+        data = text.encode("utf-8")
+        self.files.replace(name, lambda f: f.write(data))
 
     # ------------------------------------------------------------------ starting
 
@@ -145,7 +155,7 @@ class ReportWriter:
         if kind == "weekly":
             if asset is None or asset not in self.assets:
                 raise ReportError(f"unknown asset {asset!r}")
-            rid = f"weekly-{asset}-{_stamp(now)}"
+            rid = f"weekly-{asset}-{_stamp(now)}-{secrets.token_hex(4)}"
             job: Callable[[], None] = functools.partial(self._weekly, rid, asset, now)
         elif kind == "replay":
             row = self.events.get(int(event)) if event is not None else None
@@ -153,7 +163,7 @@ class ReportWriter:
                 raise ReportError(f"unknown event {event!r}")
             if not row.get("session"):
                 raise ReportError(f"event {event} has no session (features-only tick)")
-            rid = f"replay-{row['id']}-{_stamp(now)}"
+            rid = f"replay-{row['id']}-{_stamp(now)}-{secrets.token_hex(4)}"
             job = functools.partial(self._replay, rid, row, now)
             asset = row["asset"]
         else:
@@ -212,11 +222,11 @@ class ReportWriter:
         found = findings(eps, minutes, since)
         stats = weekly_stats(minutes)
         stats.update(asset=asset, period_start=since, period_end=now)
-        png = self.dir / f"{rid}.png"
         cfg = self.assets[asset]
         thresholds = self._latest_thresholds(asset, since, now + 1e-6)
-        plots.trend_figure(png, minutes, eps, cfg.zone_limits_mm_s, thresholds=thresholds,
-                           title=f"{asset}: vibration from {_day(since)} to {_day(now)}")
+        png = self.files.replace(f"{rid}.png", lambda f: plots.trend_figure(
+            f, minutes, eps, cfg.zone_limits_mm_s, thresholds=thresholds,
+            title=f"{asset}: vibration from {_day(since)} to {_day(now)}"))
         summary = deterministic_summary(asset, found, stats)
         latest = eps[-1]["diagnosis"] if eps else {"fault": "none", "zone": stats["last_zone"]}
         commentary: dict[str, Any] = {"reason": "No model commentary (LLM off)."}
@@ -230,7 +240,7 @@ class ReportWriter:
                "episodes": [{k: v for k, v in e.items() if k != "diagnosis"} for e in eps],
                "summary": summary, "commentary": commentary, "generation": gen,
                "png": png.name, "period_start": since, "period_end": now}
-        (self.dir / f"{rid}.md").write_text(weekly_markdown(doc), encoding="utf-8")
+        self._write_text(f"{rid}.md", weekly_markdown(doc))
         self._write_json(rid, doc)
         log.info("report.weekly_done", report=rid, ticks=stats["ticks"])
 
@@ -260,21 +270,20 @@ class ReportWriter:
         asset = row["asset"]
         cfg = self.assets.get(asset)
         d = row.get("diagnosis") or {"fault": "none", "zone": row.get("zone")}
-        png = self.dir / f"{rid}.png"
         around = self.events.query(asset=asset, since=t - 3600, until=t + 3600,
                                    anomalies=True, limit=100_000, newest_first=False)
-        plots.trend_figure(png, self.events.minutes(asset, t - 3600, t + 3600), episodes(around),
-                           cfg.zone_limits_mm_s if cfg else (1.4, 2.8, 4.5),
-                           thresholds=d.get("thresholds"),
-                           title=f"{asset}: the hour around event {row['id']}",
-                           mark=(t, f"event {row['id']}: {str(d['fault']).replace('_', ' ')}"))
+        minutes = self.events.minutes(asset, t - 3600, t + 3600)
+        png = self.files.replace(f"{rid}.png", lambda f: plots.trend_figure(
+            f, minutes, episodes(around), cfg.zone_limits_mm_s if cfg else (1.4, 2.8, 4.5),
+            thresholds=d.get("thresholds"), title=f"{asset}: the hour around event {row['id']}",
+            mark=(t, f"event {row['id']}: {str(d['fault']).replace('_', ' ')}")))
         spectrum = self._spectrum(rid, row, cfg, d)
         doc = {"id": rid, "kind": "replay", "asset": asset, "event": row["id"],
                "state": "done", "created": now, "finished": self.clock(),
                "event_row": row, "commentary": _checked(res["text"], d, text),
                "generation": res, "store_before": before, "store_after": after,
                "png": png.name, "spectrum_png": spectrum}
-        (self.dir / f"{rid}.md").write_text(replay_markdown(doc), encoding="utf-8")
+        self._write_text(f"{rid}.md", replay_markdown(doc))
         self._write_json(rid, doc)
         log.info("report.replay_done", report=rid, session=session)
 
@@ -308,18 +317,17 @@ class ReportWriter:
                     normal = (ref.envelope.freqs, ref.envelope.ratio)
                     break
         bf = bearing_frequencies(cfg.bearing, an.speed.measured_hz * 60.0)
-        path = self.dir / f"{rid}-spectrum.png"
         which = (f"event {row['id']}" if source is None else
                  f"event {source['id']} (the kept window nearest to event {row['id']})")
         thr = (d.get("thresholds") or {}).get(str((d.get("lines") or [{}])[0].get("line")))
         shown = classify(an, cfg).as_dict() if source is not None else d
-        plots.spectrum_figure(
-            path, an.envelope.freqs, an.envelope.ratio,
+        path = self.files.replace(f"{rid}-spectrum.png", lambda f: plots.spectrum_figure(
+            f, an.envelope.freqs, an.envelope.ratio,
             {"BPFO": bf.bpfo, "BPFI": bf.bpfi, "2xBSF": 2 * bf.bsf, "FTF": bf.ftf},
             shown.get("lines") or [], threshold=thr, normal=normal,
             title=f"{row['asset']}, {which}: envelope spectrum "
                   f"({an.band[0]:.0f}-{an.band[1]:.0f} Hz band) - "
-                  f"{str(d.get('fault', 'none')).replace('_', ' ')}")
+                  f"{str(d.get('fault', 'none')).replace('_', ' ')}"))
         return path.name
 
 

@@ -1,4 +1,5 @@
-"""The one directory API routes write files into: `<state_dir>/dumps`.
+"""The directories API routes write files into: `<state_dir>/dumps`, and the reports'
+`<state_dir>/reports` (`agent/reports.py` writes through the same class).
 
 A route never writes where a request says. It names a file (a name the daemon chooses, or a
 plain name the request gives: letters, digits, `_ . -`, no leading dot, an allowed suffix) in
@@ -90,6 +91,33 @@ class DumpDir:
                     raise DumpExists(f"{self.path / name} exists; choose another name") from None
             finally:
                 os.unlink(tmp, dir_fd=dfd)
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return self.path / name
+
+    def replace(self, name: str, produce: Callable[[BinaryIO], object]) -> Path:
+        """Like `write`, but publish by rename(2) over whatever entry `name` is (a report's
+        JSON rewritten when it is done): rename replaces the directory entry itself, so a
+        symlink planted under `name` is replaced, never followed."""
+        if not _NAME_RE.fullmatch(name) or ".." in name:
+            raise DumpNameError(f"{name!r} is not a plain file name")
+        dfd = self._open_dir()
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(tmp, _CREATE, FILE_MODE, dir_fd=dfd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    produce(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass  # the temporary name is hidden (a leading dot) and unique
+                raise
             os.fsync(dfd)
         finally:
             os.close(dfd)

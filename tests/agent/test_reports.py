@@ -136,3 +136,39 @@ def test_report_errors(tmp_path, fake_executor, scheduler, clock):
     with pytest.raises(ReportError):
         ag.reports.start("monthly", asset="pump-1")
     assert ag.reports.get("../etc/passwd") is None
+
+
+def test_report_files_are_confined(tmp_path, scheduler, clock):
+    """Ids cannot be guessed ahead (so no name can be planted for them), every file is
+    published by rename over the entry (a planted symlink is replaced, never written
+    through), and a reports directory that is not the daemon's alone is refused."""
+    import os
+
+    from kvagentd.control.dumps import DumpDirUnsafe
+
+    ag = Agent(agent_config(), None, scheduler, tmp_path, clock=clock)
+    run_ticks(ag, clock, 3)
+    first = ag.reports.start("weekly", asset="pump-1")
+    second = ag.reports.start("weekly", asset="pump-1")  # the same second
+    assert first != second and first.rsplit("-", 1)[0] == second.rsplit("-", 1)[0]
+    for rid in (first, second):
+        assert ag.reports.wait_for(rid, timeout=60)["state"] == "done"
+
+    reports = tmp_path / "reports"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (reports / "planted.md").symlink_to(victim)
+    ag.reports._write_text("planted.md", "# report")
+    assert victim.read_text() == "keep me"
+    assert not (reports / "planted.md").is_symlink()
+    assert (reports / "planted.md").read_text() == "# report"
+    assert not [p for p in reports.iterdir() if p.name.endswith(".tmp")]
+
+    os.chmod(reports, 0o777)  # anybody could plant entries here now
+    with pytest.raises(DumpDirUnsafe, match="writable by it alone"):
+        ag.reports.start("weekly", asset="pump-1")
+    os.chmod(reports, 0o750)
+    os.rename(reports, tmp_path / "elsewhere")
+    reports.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(DumpDirUnsafe, match="not a plain directory"):
+        ag.reports.start("weekly", asset="pump-1")
