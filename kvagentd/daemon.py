@@ -205,7 +205,8 @@ class Daemon:
         self.notifier.status("building services")
         self.services = self._build(cfg, BuildContext(self.scheduler, self.metrics,
                                                       on_phase=self._on_build_phase,
-                                                      health=self.health))
+                                                      health=self.health,
+                                                      job_record=self.jobs.record))
         for name, service in self.services.in_order():
             if self.requests.stop_reason is not None:
                 log.info("startup_interrupted", reason=self.requests.stop_reason, before=name)

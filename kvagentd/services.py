@@ -112,6 +112,9 @@ class BuildContext:
     """Told before a slow phase ("loading model"): the daemon extends its start timeout."""
     health: Callable[[], dict[str, Any]] | None = None
     """The daemon's health report (the fleet heartbeat publishes its summary)."""
+    job_record: Callable[[str], Any] | None = None
+    """The daemon's count of a job's runs, skips and misses (`JobWatch.record`): the one count
+    of skipped ticks that status, health and metrics show."""
 
 
 class Tiers(NamedTuple):
@@ -305,7 +308,8 @@ def _build_agent(config: Config, ctx: BuildContext, executor: Executor | None,
     from kvagentd.agent.agent import Agent
 
     agent = Agent(config.agent, executor, ctx.scheduler, Path(config.daemon.state_dir),
-                  store_stats=store.stats if store is not None else None, llm_gate=gate)
+                  store_stats=store.stats if store is not None else None, llm_gate=gate,
+                  job_record=ctx.job_record)
     if ctx.registry is not None:
         from kvagentd.agent.broker import MqttCollector
         from kvagentd.agent.sensors import MqttSource

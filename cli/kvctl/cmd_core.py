@@ -234,7 +234,9 @@ def _agent_summary(v: dict[str, Any]) -> list[str]:
                      if a.get("last_assessment_age_s") is not None else "-",
                      "p50": render.duration(a.get("tick_latency_p50_s")),
                      "p99": render.duration(a.get("tick_latency_p99_s")),
-                     "ticks": a.get("ticks", 0), "skipped": a.get("skipped_ticks", 0),
+                     "ticks": a.get("ticks", 0),
+                     # due ticks that did not run: skipped (overlap) and missed (a stall)
+                     "skipped": a.get("skipped_ticks", 0) + a.get("missed_ticks", 0),
                      "bad": a.get("bad_samples_total", 0), "session": a.get("session") or "-"})
     table = render.table(rows, [("asset", "asset"), ("zone", "zone"), ("diagnosis", "diagnosis"),
                                 ("baseline", "baseline"), ("withheld", "withheld"),

@@ -73,9 +73,14 @@ class Agent:
     def __init__(self, config: AgentConfig, executor: Executor | None, scheduler: Any,
                  state_dir: Path, clock: Callable[[], float] = time.time,
                  store_stats: Callable[[], dict[str, Any]] | None = None,
-                 llm_gate: Callable[[str], str | None] | None = None) -> None:
+                 llm_gate: Callable[[str], str | None] | None = None,
+                 job_record: Callable[[str], Any] | None = None) -> None:
+        """`job_record(job_id)`: the daemon's count of a job's skipped and missed runs
+        (`JobWatch.record`); without it (an agent on its own) the agent counts the scheduler's
+        events itself."""
         self.config = config
         self.llm_gate = llm_gate
+        self.job_record = job_record
         self.model = ModelClient(executor, config) if executor is not None else None
         self.scheduler = scheduler
         self.state_dir = Path(state_dir)
@@ -482,12 +487,24 @@ class Agent:
         return {"enabled": self.config.enabled, "running": self._running,
                 "tick_interval_s": self.config.tick_interval_s,
                 "assets": {name: {**st.status(now, st.asset.llm and self.model is not None),
+                                  **self._dropped(name),
                                   "llm_held_by": self.llm_gate(name) if self.llm_gate else None}
                            for name, st in self.assets.items()},
                 "reports_running": self.reports.running(),
                 "events_db": str(self.events.path), "event_rows": self.events.count(),
                 "windows_stored": len(self.windows), "windows_bytes": self.windows.bytes,
                 "sources": {name: st.source.status() for name, st in self.assets.items()}}
+
+
+    def _dropped(self, name: str) -> dict[str, int]:
+        """Due ticks that did not run, as the daemon's job watch counts them (a run the
+        scheduler coalesced after a stall counts once for every interval it covered)."""
+        if self.job_record is None:
+            return {}
+        rec = self.job_record(jobs.TICK_PREFIX + name)
+        if rec is None:
+            return {"skipped_ticks": 0, "missed_ticks": 0}
+        return {"skipped_ticks": rec.skipped, "missed_ticks": rec.missed}
 
 
 def _ended(done: Completion) -> bool:

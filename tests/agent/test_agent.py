@@ -282,6 +282,34 @@ def test_status_reports_per_asset_figures(tmp_path, fake_executor, scheduler, cl
     assert len(ag.events.query(anomalies=True)) == 3
 
 
+def test_skipped_ticks_in_status_are_the_daemons_one_count(tmp_path, fake_executor, scheduler,
+                                                             clock):
+    """Status shows what the daemon's job watch counted (the same count as health and the
+    metrics): a run coalesced after a 20 s stall counts once for every interval it covered."""
+    from datetime import UTC, datetime
+    from types import SimpleNamespace
+
+    from apscheduler.events import EVENT_JOB_EXECUTED, EVENT_JOB_MISSED
+
+    from kvagentd.jobwatch import JobWatch
+
+    watch = JobWatch(clock=lambda: 1000.0, period_of=lambda _job: 3.0)
+    ag = Agent(agent_config(), fake_executor, scheduler, tmp_path, clock=clock,
+               job_record=watch.record)
+    assert ag.status()["assets"]["pump-1"]["skipped_ticks"] == 0
+
+    def event(code: int, due: float) -> SimpleNamespace:
+        t = datetime.fromtimestamp(due, UTC)
+        return SimpleNamespace(code=code, job_id="agent.tick.pump-1", scheduled_run_time=t,
+                               scheduled_run_times=[t])
+
+    watch.on_event(event(EVENT_JOB_EXECUTED, 900.0))
+    watch.on_event(event(EVENT_JOB_MISSED, 903.0))
+    watch.on_event(event(EVENT_JOB_EXECUTED, 924.0))  # 906 ... 921 never ran: 6 more
+    st = ag.status()["assets"]["pump-1"]
+    assert (st["skipped_ticks"], st["missed_ticks"]) == (0, 7)
+
+
 def test_commentary_cut_at_the_deadline_is_not_shown(tmp_path, fake_executor, scheduler,
                                                       clock):
     ag = make_agent(tmp_path, fake_executor, scheduler, clock)

@@ -200,7 +200,7 @@ def test_status_summarizes_services_it_knows(h: Harness, capsys: pytest.CaptureF
                   "loaded_hot": 1, "loaded_warm": 2, "loaded_cold": 3, "lost": 4},
         "agent": {"assets": {"pump-1": {"last_zone": "C", "last_assessment_age_s": 2.0,
                                         "tick_latency_p50_s": 1.5, "tick_latency_p99_s": 2.5,
-                                        "ticks": 9, "skipped_ticks": 1,
+                                        "ticks": 9, "skipped_ticks": 1, "missed_ticks": 6,
                                         "bad_samples_total": 0, "session": "pump-1-2"}}},
         "engine": {"model": "SmolLM2", "executor": "not a dict"},
         "placement": {"policy": "heat+prefetch", "rounds": 7, "errors": 0,
@@ -216,6 +216,7 @@ def test_status_summarizes_services_it_knows(h: Harness, capsys: pytest.CaptureF
     assert "cold 3  lost 4" in out
     row = next(line for line in out.splitlines() if line.startswith("pump-1"))
     assert row.split()[:2] == ["pump-1", "C"] and "pump-1-2" in row
+    assert row.split()[-3:-1] == ["7", "0"]  # skipped: 1 overlapping + 6 missed; bad samples
     assert "engine:" in out and "executor: not a dict" in out  # unexpected shape: every field
     assert "placement heat+prefetch  rounds 7" in out and "last round 3 moves" in out
     assert "1200 blocks known in 4.0 MiB" in out
