@@ -162,7 +162,8 @@ def test_every_reloadable_path_exists() -> None:
         assert name in flat[section], path
 
 
-@pytest.mark.parametrize("name", ["kvagentd.toml", "demo.toml"])
+@pytest.mark.parametrize("name", ["kvagentd.toml", "demo.toml", "edge-cpu.toml",
+                                  "demo-8-assets.toml"])
 def test_shipped_configs_load(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     cfg = load_config(ROOT / "configs" / name, env={})
@@ -184,6 +185,30 @@ def test_industrial_profile_has_the_seed_parameters() -> None:
     assert cfg.maintenance.wear_readonly_percent == 80.0
     assert cfg.agent.tick_interval_s == 3.0
     assert cfg.control.socket == Path("/run/kvagentd/kvagentd.sock")
+
+
+def test_edge_profile_is_cpu_only_and_fits_8_gib() -> None:
+    cfg = load_config(ROOT / "configs" / "edge-cpu.toml", env={})
+    assert cfg.model.source == "embedded" and cfg.model.device == "cpu"
+    assert cfg.model.dtype == "auto"
+    assert cfg.agent.assets[0].source == "simulated"  # runs without a broker out of the box
+    # the RAM it takes beside the model (~0.6 GiB): KV tiers, batch memory, windows, shadow
+    ram = (cfg.kv.hot_bytes * (1 + cfg.kv.warm_ratio) + cfg.executor.batch_memory_bytes
+           + cfg.agent.windows_store_bytes + cfg.maintenance.shadow_bytes)
+    assert ram + (1 << 30) <= 8 << 30
+    # the fp32 batch workspace (16 rows of 2048 tokens of SmolLM2-135M KV) and a 4096-token
+    # working copy fit the batch memory
+    kv_token = 30 * 2 * 3 * 64 * 4
+    assert (cfg.executor.max_batch * cfg.executor.row_tokens
+            + cfg.executor.warm_workspace_tokens) * kv_token <= cfg.executor.batch_memory_bytes
+
+
+def test_eight_asset_demo_ticks_eight_assets_under_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(ROOT / "configs" / "demo-8-assets.toml", env={})
+    assert [a.name for a in cfg.agent.assets] == [f"pump-{i}" for i in range(1, 9)]
+    assert {a.source for a in cfg.agent.assets} == {"simulated"}
+    assert ROOT / "var" in cfg.daemon.state_dir.parents
 
 
 def test_demo_profile_keeps_state_under_var(monkeypatch: pytest.MonkeyPatch) -> None:
