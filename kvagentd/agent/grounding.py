@@ -110,7 +110,7 @@ def numbers(text: str) -> list[tuple[float, int]]:
         s = m.group(0)
         rest = text[m.end():m.end() + 2]
         if _LINE_NAME_RE.match(rest) and (rest[1:2].isalpha() or
-                                          ("." not in s and abs(float(s)) <= 10)):
+                                          ("." not in s and 1 <= abs(float(s)) <= 10)):
             continue
         out.append((float(s), len(s.split(".")[1]) if "." in s else 0))
     return out

@@ -10,8 +10,10 @@ form over one tokenizer, applied to one sequence's greedy choice at every step:
   capitalized, upper case; with and without a leading space) becomes token sequences; once
   the answer ends with all but the last id of one, that last id is masked. A one-token
   phrase is masked at every step.
-- **no_copy**: no `no_copy_tokens`-gram of that text may be completed (except n-grams that
-  also occur in `allow`, e.g. the current observation the answer should restate).
+- **no_copy**: no `no_copy_tokens`-gram of that text that holds at least `COPY_WORDS` word
+  tokens may be completed (except n-grams that also occur in `allow`, e.g. the current
+  observation the answer should restate). Digits are a token each, so `: RMS 0.9` is five
+  tokens but one word: a reading, not a copy of the summary it also appears in.
 - **no_repeat**: no n-gram of the answer's own ids may be completed twice (a small model's
   "no repair, no repair, no repair").
 - **guard**: a check of the answer's text: the greedy candidate whose text it rejects is
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 GUARD_TRIES = 8  # candidates a guard may reject in one step before the best one is taken
+COPY_WORDS = 3  # word tokens (two letters or more) a span must hold to count as a copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +73,9 @@ class Rules:
         if c.no_copy:
             allowed = {g for text in ((c.allow, " " + c.allow) if c.allow else ())
                        for g in _ngrams(_encode(tokenizer, text), self._n)}
+            words = _word_ids(tokenizer)
             for g in _ngrams(_encode(tokenizer, c.no_copy), self._n):
-                if g not in allowed:
+                if g not in allowed and sum(t in words for t in g) >= COPY_WORDS:
                     self._grams.setdefault(g[:-1], set()).add(g[-1])
 
     def __bool__(self) -> bool:
@@ -100,6 +104,22 @@ class Rules:
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+_WORD_IDS: dict[int, frozenset[int]] = {}
+
+
+def _word_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids whose token holds a word (two letters or more), once per tokenizer."""
+    key = id(tokenizer)
+    got = _WORD_IDS.get(key)
+    if got is None:
+        vocab = tokenizer.get_vocab()
+        got = frozenset(i for tok, i in vocab.items()
+                        if sum(ch.isalpha() for ch in tok.lstrip("Ġ▁ ")) >= 2)
+        _WORD_IDS[key] = got
+        _TOKENIZERS.setdefault(key, tokenizer)  # keeps the id from being reused
+    return got
 
 
 def _ngrams(ids: Sequence[int], n: int) -> Iterable[tuple[int, ...]]:

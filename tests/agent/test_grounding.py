@@ -136,3 +136,6 @@ def test_a_number_ended_short_of_the_evidence_is_refused_and_withheld() -> None:
     v = grounding.check("No fault at 10:07:00: RMS 0.95 mm/s.", healthy, evidence)
     assert not v.ok and "the time 10:07:00" in v.reasons[0]
     assert grounding.numbers(evidence) == [(0.93, 2), (0.95, 2)]
+    # "2x" names a line (2xBSF, the 1x line); "0x" names none: it is the number 0
+    assert "states 0" in (c.guard("No fault: RMS 0x 0.95") or "")
+    assert grounding.numbers("the 1x line, 2xBSF, 0x") == [(0.0, 0)]

@@ -59,6 +59,20 @@ def test_rules_forbid_copying_but_allow_what_is_current(tiny: LoadedModel) -> No
     assert not any(cur[i] in rules.banned_next(cur[i - 3:i]) for i in range(3, len(cur)))
 
 
+def test_a_reading_spelled_digit_by_digit_is_not_a_copy(tiny: LoadedModel) -> None:
+    """A session's summary holds "...57Z: RMS 0.91-1.01 mm/s (last 0.96)"; the answer "No
+    fault: RMS 0.96" shares the five tokens ": RMS 0.9" with it, one word among them: it may
+    go on. Five tokens of words copied from the summary may not."""
+    old = ("Recent state of pump-1 over 18 measurements from 2026-12-07T22:36:06Z to "
+           "2026-12-07T22:36:57Z: RMS 0.91-1.01 mm/s (last 0.96); zones A 18.")
+    now = "22:37:00. No fault; RMS 0.96 mm/s, zone A. Action: no action."
+    rules = Rules(Constraints(no_copy=old, allow=now), tiny.tokenizer)
+    answer = _enc(tiny, "No fault: RMS 0.96 mm/s in zone A; no action.")
+    assert not any(answer[i] in rules.banned_next(answer[:i]) for i in range(1, len(answer)))
+    copy = _enc(tiny, " state of pump-1 over")  # five tokens, three of them words
+    assert copy[4] in rules.banned_next(copy[:4])
+
+
 def test_the_engine_never_emits_a_banned_token_and_equals_greedy_until_it_would(
         engine: Engine, tiny: LoadedModel) -> None:
     free = engine.ask("free", QUESTION, max_new_tokens=N, system=SYSTEM)
