@@ -103,13 +103,33 @@ def test_a_dump_dir_that_is_a_symlink_or_shared_is_refused(box: Box) -> None:
     elsewhere.mkdir()
     box.dumps.symlink_to(elsewhere)
     r = box.dump({})
-    assert r.status_code == 500 and r.json()["error"]["kind"] == "dump_dir_unsafe"
+    assert r.status_code == 507 and r.json()["error"]["kind"] == "insufficient_storage"
+    assert str(box.dumps) in r.json()["error"]["message"]
     assert list(elsewhere.iterdir()) == []
     box.dumps.unlink()
     box.dumps.mkdir()
     os.chmod(box.dumps, 0o1777)  # a sticky world-writable directory, like /tmp
     r = box.dump({})
-    assert r.status_code == 500 and "writable by it alone" in r.json()["error"]["message"]
+    assert r.status_code == 507 and "writable by it alone" in r.json()["error"]["message"]
+
+
+def test_a_full_state_disk_is_507_naming_the_path_and_recovers(
+        box: Box, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    real = os.fsync
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("kvagentd.control.dumps.os.fsync", full)
+    r = box.dump({"name": "t.jsonl"})
+    assert r.status_code == 507 and r.json()["error"]["kind"] == "insufficient_storage"
+    assert str(box.dumps / "t.jsonl") in r.json()["error"]["message"]
+    assert "No space left" in r.json()["error"]["message"]
+    assert list(box.dumps.iterdir()) == []  # nothing half-written is left
+    monkeypatch.setattr("kvagentd.control.dumps.os.fsync", real)  # space is back
+    assert box.dump({"name": "t.jsonl"}).status_code == 200
 
 
 def test_temporary_file_is_created_exclusively(tmp_path: Path,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvagentd.control.dumps import DumpDir, DumpDirUnsafe, DumpExists, DumpNameError
-from kvagentd.control.errors import BadRequest, Conflict, Internal, require_service
+from kvagentd.control.errors import BadRequest, Conflict, Storage, require_service
 from kvagentd.control.router import NDJSON_TYPE, Request, Response, Router
 from kvagentd.kvcache.placement.trace_recorder import iter_jsonl, write_trace_to
 
@@ -60,11 +60,10 @@ def register(router: Router, daemon: Any) -> None:
                 f, events, npz=name.endswith(".npz"), block_size=trace.block_size))
         except DumpExists as exc:
             raise Conflict(str(exc)) from None
-        except DumpDirUnsafe as exc:
-            raise Internal(str(exc), kind="dump_dir_unsafe") from None
-        except OSError as exc:
-            raise Internal(f"cannot write {dumps.path / name}: {exc.strerror or exc}",
-                           kind="dump_failed") from None
+        except DumpDirUnsafe as exc:  # the directory, not the request: the path named
+            raise Storage(str(exc)) from None
+        except OSError as exc:  # a full or failing state disk
+            raise Storage(f"cannot write {dumps.path / name}: {exc.strerror or exc}") from None
         return {"path": str(path), "name": name, "events": len(events)}
 
     @router.route("GET", "/v1/trace", change=False)
