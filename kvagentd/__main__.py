@@ -69,9 +69,28 @@ def check_config(path: Annotated[Path, typer.Argument(help="TOML configuration f
     from kvagentd.health.report import size
 
     cfg = _load(path)
+    _check_host(path, cfg)
     assets = ", ".join(a.name for a in cfg.agent.assets) if cfg.agent.enabled else "disabled"
     typer.echo(f"{path}: ok (model {cfg.model.source}, hot {size(cfg.kv.hot_bytes)}, "
                f"socket {cfg.control.socket}, agent: {assets})")
+
+
+def _check_host(path: Path, cfg: Config) -> None:
+    """What `run` checks against this machine before it loads the model: the host KV arenas
+    fit the memory available now (`services.check_host_memory`). Only for `model.device =
+    "cpu"`, where the hot tier is host memory on any box; with "auto" the box the file is for
+    may have a GPU that this one (a build host, say) lacks, and `run` checks it there."""
+    if cfg.model.device != "cpu":
+        return
+    import torch
+
+    from kvagentd.services import check_host_memory
+
+    try:
+        check_host_memory(cfg, torch.device("cpu"))
+    except ConfigError as exc:
+        typer.echo(f"kvagentd: bad configuration {path}: {exc}", err=True)
+        raise typer.Exit(EX_CONFIG) from None
 
 
 def _floats(text: str | None, n: int, what: str) -> tuple[float, ...] | None:

@@ -157,6 +157,14 @@ def test_check_config(short_dir: Path) -> None:
     bad.write_text("[control]\nmax_connections = 0\n")
     r = _run_cli("check-config", str(bad))
     assert r.returncode == 78 and "control.max_connections" in r.stderr and "[1, 4096]" in r.stderr
+    # what `run` refuses against this machine, check-config refuses too (before any model)
+    huge = short_dir / "huge.toml"
+    assert 'hot_bytes = "16MiB"' in good.read_text()
+    assert 'source = "none"' in good.read_text()
+    huge.write_text(good.read_text().replace('hot_bytes = "16MiB"', 'hot_bytes = "64TiB"')
+                    .replace('source = "none"', 'source = "none"\ndevice = "cpu"'))
+    r = _run_cli("check-config", str(huge))
+    assert r.returncode == 78 and "kv.hot_bytes" in r.stderr and "available now" in r.stderr
 
 
 def test_usage_error_exits_64() -> None:
