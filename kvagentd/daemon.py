@@ -34,7 +34,7 @@ from kvagentd.control.server import ControlServer
 from kvagentd.control.socketfile import ControlSocketInUse
 from kvagentd.exitcodes import EX_OK, startup_exit_code
 from kvagentd.health import Acknowledgements, DaemonFacts, Facts, Report, assess, gather
-from kvagentd.health.facts import TICK_PREFIX
+from kvagentd.agent.jobs import TICK_PREFIX
 from kvagentd.jobevents import JOB_EVENTS, JobEventListener
 from kvagentd.jobwatch import JobWatch
 from kvagentd.kvcache.transitions import check_transition

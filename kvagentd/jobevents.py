@@ -13,7 +13,7 @@ from typing import Any
 from apscheduler.events import (EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, EVENT_JOB_MAX_INSTANCES,
                                 EVENT_JOB_MISSED, JobEvent)
 
-from kvagentd.health.facts import TICK_PREFIX
+from kvagentd.agent.jobs import TICK_PREFIX
 from kvagentd.jobwatch import JobWatch
 from kvagentd.metrics import CoreMetrics
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import structlog
 
+from kvagentd.agent.jobs import TICK_PREFIX
 from kvagentd.jobwatch import JobWatch, JobWindow
 from kvagentd.status import host_status
 
@@ -32,7 +33,6 @@ log = structlog.get_logger(__name__)
 # Scheduler job ids -> the service that owns them (a failing job puts its service in error).
 JOB_OWNERS = (("agent.", "agent"), ("maintenance.", "maintenance"), ("placement", "placement"),
               ("remote.", "remote"))
-TICK_PREFIX = "agent.tick."
 T = TypeVar("T")
 
 
