@@ -74,32 +74,29 @@ class DumpDir:
         Raises DumpExists when the name is taken, DumpDirUnsafe when the directory is not the
         daemon's own, OSError for I/O errors. Nothing is left behind on failure.
         """
-        if not _NAME_RE.fullmatch(name) or ".." in name:
-            raise DumpNameError(f"{name!r} is not a plain file name")
-        dfd = self._open_dir()
-        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
-        try:
-            fd = os.open(tmp, _CREATE, FILE_MODE, dir_fd=dfd)
+        def link(tmp: str, dfd: int) -> None:
             try:
-                with os.fdopen(fd, "wb") as f:
-                    produce(f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                try:
-                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                except FileExistsError:
-                    raise DumpExists(f"{self.path / name} exists; choose another name") from None
+                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            except FileExistsError:
+                raise DumpExists(f"{self.path / name} exists; choose another name") from None
             finally:
                 os.unlink(tmp, dir_fd=dfd)
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-        return self.path / name
+
+        return self._publish(name, produce, link)
 
     def replace(self, name: str, produce: Callable[[BinaryIO], object]) -> Path:
         """Like `write`, but publish by rename(2) over whatever entry `name` is (a report's
         JSON rewritten when it is done): rename replaces the directory entry itself, so a
         symlink planted under `name` is replaced, never followed."""
+        def rename(tmp: str, dfd: int) -> None:
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+
+        return self._publish(name, produce, rename)
+
+    def _publish(self, name: str, produce: Callable[[BinaryIO], object],
+                 publish: Callable[[str, int], None]) -> Path:
+        """`produce` into a fresh O_EXCL|O_NOFOLLOW temporary name, fsync it, `publish(tmp,
+        dirfd)` it as `name`; the temporary name never outlives a failure."""
         if not _NAME_RE.fullmatch(name) or ".." in name:
             raise DumpNameError(f"{name!r} is not a plain file name")
         dfd = self._open_dir()
@@ -111,12 +108,12 @@ class DumpDir:
                     produce(f)
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                publish(tmp, dfd)
             except BaseException:
                 try:
                     os.unlink(tmp, dir_fd=dfd)
                 except OSError:
-                    pass  # the temporary name is hidden (a leading dot) and unique
+                    pass  # already gone (published by rename, or unlinked after a link)
                 raise
             os.fsync(dfd)
         finally:
