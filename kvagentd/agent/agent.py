@@ -495,7 +495,6 @@ class Agent:
                 "windows_stored": len(self.windows), "windows_bytes": self.windows.bytes,
                 "sources": {name: st.source.status() for name, st in self.assets.items()}}
 
-
     def _dropped(self, name: str) -> dict[str, int]:
         """Due ticks that did not run, as the daemon's job watch counts them (a run the
         scheduler coalesced after a stall counts once for every interval it covered)."""

@@ -106,9 +106,10 @@ def clocks(text: str) -> tuple[set[str], str]:
 def numbers(text: str) -> list[tuple[float, int]]:
     """(value, decimals written) of each number in `text` (clock times and dates aside)."""
     out = []
-    for m in NUMBER_RE.finditer(clocks(text)[1]):
+    body = clocks(text)[1]
+    for m in NUMBER_RE.finditer(body):
         s = m.group(0)
-        rest = text[m.end():m.end() + 2]
+        rest = body[m.end():m.end() + 2]
         if _LINE_NAME_RE.match(rest) and (rest[1:2].isalpha() or
                                           ("." not in s and 1 <= abs(float(s)) <= 10)):
             continue

@@ -139,3 +139,5 @@ def test_a_number_ended_short_of_the_evidence_is_refused_and_withheld() -> None:
     # "2x" names a line (2xBSF, the 1x line); "0x" names none: it is the number 0
     assert "states 0" in (c.guard("No fault: RMS 0x 0.95") or "")
     assert grounding.numbers("the 1x line, 2xBSF, 0x") == [(0.0, 0)]
+    # a line name after a clock time is read where it stands, not shifted by the time
+    assert grounding.numbers("10:00:03. the 2x line, RMS 0.95") == [(0.95, 2)]
