@@ -18,6 +18,13 @@ Everything that depends on the step's shape (index tensors, the mask, which rows
 is computed in `build`, once per step; a layer's attention is a fixed handful of torch calls.
 Buffers are allocated at the first step and reused; they grow only when a step is larger than
 any before it, so a steady state allocates none of them.
+
+Shape buckets (`buckets=True`): the step's row of tokens is padded to one of a few widths
+(`bucket_width`), so the weight matmuls see a bounded set of shapes. oneDNN's bf16 path keeps
+memory per matmul shape that it never gives back (the embedded model in bf16, 400 forwards of
+1-512 tokens: RSS +801 MiB and still growing; padded to these widths: +91 MiB, flat after the
+first 100; fp32 stays flat either way, see BENCHMARKS.md). Padding tokens attend to nothing
+and their logits are never read; they cost at most 1/8 of a step's width.
 """
 
 from __future__ import annotations
@@ -32,6 +39,16 @@ import torch.nn.functional as F
 from kvagentd.engine.attention import attend_one
 from kvagentd.engine.kv import SequenceKV
 from kvagentd.engine.rows import BatchRows
+
+
+def bucket_width(tokens: int) -> int:
+    """`tokens` rounded up to one of 8 widths per octave (16 and below: exact, since decode
+    steps are that wide and must not pay for padding): at most 12.5 % padding, 72 widths up
+    to 2,048 tokens."""
+    if tokens <= 16:
+        return tokens
+    grain = 1 << (tokens.bit_length() - 4)
+    return -(-tokens // grain) * grain
 
 
 @dataclass(slots=True)
@@ -50,18 +67,20 @@ class StepBatch:
     """
 
     def __init__(self, max_tokens: int, device: torch.device | str,
-                 rows: BatchRows | None = None) -> None:
+                 rows: BatchRows | None = None, *, buckets: bool = False) -> None:
         self.device = torch.device(device)
         self.rows = rows
+        self.buckets = buckets
         self.items: list[_Item] = []
         self.apart: list[_Item] = []  # items that attend on their own
         self.tokens = 0
+        self.width = 0  # tokens plus padding (shape buckets)
         self.n_rows = 0  # decode rows: the step's tokens [0, n_rows)
         self.layers_attended = 0
         self._cap = 0
         self._out: torch.Tensor | None = None
         self._mask = torch.empty(0, dtype=torch.bool, device=self.device)
-        self._grow(max(1, max_tokens))
+        self._grow(bucket_width(max(1, max_tokens)) if buckets else max(1, max_tokens))
         self._rows_setup()
 
     # -- inputs -----------------------------------------------------------------------------
@@ -70,8 +89,9 @@ class StepBatch:
         total = sum(len(ids) for _, ids, _ in work)
         if total == 0:
             raise ValueError("a step needs at least one token")
-        if total > self._cap:
-            self._grow(total)
+        width = bucket_width(total) if self.buckets else total
+        if width > self._cap:
+            self._grow(width)
         in_rows = [i for i, (kv, ids, _) in enumerate(work)
                    if len(ids) == 1 and self.rows is not None and kv.row is not None]
         in_rows.sort(key=lambda i: work[i][0].row or 0)
@@ -89,6 +109,9 @@ class StepBatch:
             starts[i] = at
             self.items.append(_Item(kv, at, n))
             at += n
+        if width > total:  # padding: token 0 at position 0, attends to nothing
+            ids_np[total:width] = 0
+            pos_np[total:width] = 0
         n_logits = 0
         for i, (_, token_ids, wants_logits) in enumerate(work):
             if wants_logits:
@@ -97,22 +120,23 @@ class StepBatch:
         self.n_rows = len(in_rows)
         self.apart = self.items[self.n_rows:]
         self.tokens = total
+        self.width = width
         self.n_logits = n_logits
         self.layers_attended = 0
         if self.n_rows:
             self._build_rows()
         if self.device.type != "cpu":
-            self._ids_dev[:total].copy_(self._ids_host[:total], non_blocking=True)
-            self._pos_dev[:total].copy_(self._pos_host[:total], non_blocking=True)
+            self._ids_dev[:width].copy_(self._ids_host[:width], non_blocking=True)
+            self._pos_dev[:width].copy_(self._pos_host[:width], non_blocking=True)
             self._rows_dev[:n_logits].copy_(self._rows_host[:n_logits], non_blocking=True)
 
     @property
     def input_ids(self) -> torch.Tensor:
-        return self._ids_dev[: self.tokens].unsqueeze(0)
+        return self._ids_dev[: self.width].unsqueeze(0)
 
     @property
     def position_ids(self) -> torch.Tensor:
-        return self._pos_dev[: self.tokens].unsqueeze(0)
+        return self._pos_dev[: self.width].unsqueeze(0)
 
     @property
     def logits_rows(self) -> torch.Tensor:
@@ -148,8 +172,10 @@ class StepBatch:
             o = attend_one(query[:, :, a:b], k, v, scaling=scaling, sliding_window=sliding_window,
                            softcap=softcap, mask_buf=self._mask_for(it.count, k.shape[2]))
             out[a:b].copy_(o[0].transpose(0, 1))
+        if self.width > self.tokens:
+            out[self.tokens: self.width].zero_()
         self.layers_attended += 1
-        return out[: self.tokens].unsqueeze(0)
+        return out[: self.width].unsqueeze(0)
 
     def end_step(self) -> None:
         for it in self.items:

@@ -18,11 +18,19 @@ from kvagentd.engine.kv import SequenceKV
 from kvagentd.engine.rows import BatchRows
 
 
+def needs_buckets(model: Any, device: torch.device) -> bool:
+    """Shape buckets (`batch.bucket_width`) where the matmuls keep memory per shape: reduced
+    precision on the CPU (oneDNN). fp32 on the CPU stays flat without them, and pays no
+    padding."""
+    dtype = getattr(model, "dtype", torch.float32)
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 class ModelRunner:
     """Batched forward of `model` (a transformers causal LM in eval mode) on `device`."""
 
     def __init__(self, model: Any, *, device: torch.device | str, max_step_tokens: int,
-                 rows: BatchRows | None = None) -> None:
+                 rows: BatchRows | None = None, buckets: bool | None = None) -> None:
         attention.register()
         model.set_attn_implementation(attention.ATTENTION)
         self.model = model
@@ -30,7 +38,9 @@ class ModelRunner:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         self.num_layers = int(config.num_hidden_layers)
-        self.batch = StepBatch(max_step_tokens, self.device, rows)
+        if buckets is None:
+            buckets = needs_buckets(model, self.device)
+        self.batch = StepBatch(max_step_tokens, self.device, rows, buckets=buckets)
         # NOTE: a 4-D mask is passed through by transformers' mask builders untouched, so no
         # per-step mask is built; the engine's attention masks each sequence itself.
         self._no_mask = torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=self.device)

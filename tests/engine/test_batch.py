@@ -7,6 +7,7 @@ row that leaves is filled by the top one), and paged in place."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from kvagentd.engine.kv import SequenceKV
 from kvagentd.engine.model import LoadedModel, model_geometry
 from kvagentd.engine.paged import PagedKV, PagedScratch
 from kvagentd.engine.rows import BatchRows
-from kvagentd.engine.runner import ModelRunner
+from kvagentd.engine.batch import bucket_width
+from kvagentd.engine.runner import ModelRunner, needs_buckets
 
 from .conftest import BLOCK_TOKENS
 
@@ -54,11 +56,11 @@ def _rows(lm: LoadedModel, n: int = 6, tokens: int = 128) -> BatchRows:
 
 
 def _runner(lm: LoadedModel, layout: str, max_step_tokens: int = 64,
-            rows: BatchRows | None = None) -> ModelRunner:
+            rows: BatchRows | None = None, buckets: bool = False) -> ModelRunner:
     if layout == "rows" and rows is None:
         rows = _rows(lm)
     return ModelRunner(lm.model, device="cpu", max_step_tokens=max_step_tokens,
-                       rows=rows if layout == "rows" else None)
+                       rows=rows if layout == "rows" else None, buckets=buckets)
 
 
 def _kvs(lm: LoadedModel, layout: str, specs: list[Spec], device: str = "cpu",
@@ -152,6 +154,48 @@ def test_batched_equals_alone_and_dynamic_cache(tiny: LoadedModel, layout: str) 
         for got, one, want in zip(s.logits, alone[0].logits, ref):
             assert (got - one).abs().max().item() <= TOL
             assert (got - want).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shape_buckets_pad_the_step_and_change_no_result(tiny: LoadedModel, layout: str) -> None:
+    """Padded to a bucket width, a step's tokens and logits are those of the unpadded step."""
+    rows = _rows(tiny)
+    runner = _runner(tiny, layout, rows=rows, buckets=True)
+    padded = _specs()
+    widths: list[int] = []
+    forward = runner.forward
+
+    def spy(work):  # type: ignore[no-untyped-def]
+        out = forward(work)
+        widths.append(runner.batch.width - runner.batch.tokens)
+        return out
+
+    runner.forward = spy  # type: ignore[method-assign]
+    _drive(runner, padded, _kvs(tiny, layout, padded, rows=rows))
+    assert any(w > 0 for w in widths)  # some step was padded
+    for s in padded:
+        ref = _reference(tiny, s)
+        assert len(s.tokens) == s.new
+        for got, want in zip(s.logits, ref):
+            assert (got - want).abs().max().item() <= TOL
+
+
+def test_bucket_widths_are_few_and_pad_little() -> None:
+    widths = {bucket_width(n) for n in range(1, 2049)}
+    assert len(widths) <= 72
+    for n in range(1, 2049):
+        w = bucket_width(n)
+        assert n <= w <= n * 1.125
+        assert bucket_width(w) == w
+    assert [bucket_width(n) for n in range(1, 17)] == list(range(1, 17))
+
+
+def test_reduced_precision_on_the_cpu_takes_buckets(tiny: LoadedModel) -> None:
+    cpu = torch.device("cpu")
+    assert not needs_buckets(tiny.model, cpu)  # fp32: flat without them
+    bf16 = SimpleNamespace(dtype=torch.bfloat16)
+    assert needs_buckets(bf16, cpu)
+    assert not needs_buckets(bf16, torch.device("cuda"))
 
 
 def test_full_blocks_land_in_their_slots(tiny: LoadedModel) -> None:
@@ -252,3 +296,4 @@ def test_decode_rows_attend_in_one_call_per_layer(tiny: LoadedModel,
     extra = _kvs(tiny, "rows", [Spec(_ids(9, 9), 0, 9, 1)], rows=rows)[0]
     runner.forward([(kvs[0], [8], True), (extra, _ids(9, 9), True), (kvs[1], [8], True)])
     assert len(calls) == 2 * layers
+
