@@ -26,7 +26,7 @@ app = typer.Typer(name="kvagentd", help="Tiered KV-cache agent daemon.", no_args
 
 ConfigOpt = Annotated[Path, typer.Option(
     "--config", "-c", envvar="KVAGENTD_CONFIG", show_envvar=True, dir_okay=False,
-    help="TOML configuration file")]
+    readable=False, help="TOML configuration file")]  # NOTE: load_config says why (78), not click (64)
 
 
 def _version(value: bool) -> None:
@@ -49,6 +49,7 @@ def _load(path: Path) -> Config:
         raise typer.Exit(EX_CONFIG) from None
 
 
+
 @app.command()
 def run(config: ConfigOpt = DEFAULT_CONFIG_PATH) -> None:
     """Run the daemon in the foreground (systemd: Type=notify)."""
@@ -64,33 +65,51 @@ def run(config: ConfigOpt = DEFAULT_CONFIG_PATH) -> None:
 
 
 @app.command("check-config")
-def check_config(path: Annotated[Path, typer.Argument(help="TOML configuration file")]) -> None:
-    """Validate a configuration file (with KVAGENTD_* overrides) without starting."""
+def check_config(
+    path: Annotated[Path, typer.Argument(help="TOML configuration file", readable=False)],
+    user: Annotated[str | None, typer.Option(
+        "--user", help="the service user to check paths for (default: kvagent when it exists "
+                       "and this runs as root, else you)")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v",
+                                          help="also print what was checked")] = False,
+) -> None:
+    """Validate a configuration file (with KVAGENTD_* overrides) against this machine without
+    starting: every check `run` makes before it loads the model (values, memory, paths)."""
+    from kvagentd.config.host import Account, host_checks
     from kvagentd.health.report import size
 
     cfg = _load(path)
-    _check_host(path, cfg)
-    assets = ", ".join(a.name for a in cfg.agent.assets) if cfg.agent.enabled else "disabled"
-    typer.echo(f"{path}: ok (model {cfg.model.source}, hot {size(cfg.kv.hot_bytes)}, "
-               f"socket {cfg.control.socket}, agent: {assets})")
-
-
-def _check_host(path: Path, cfg: Config) -> None:
-    """What `run` checks against this machine before it loads the model: the host KV arenas
-    fit the memory available now (`services.check_host_memory`). Only for `model.device =
-    "cpu"`, where the hot tier is host memory on any box; with "auto" the box the file is for
-    may have a GPU that this one (a build host, say) lacks, and `run` checks it there."""
-    if cfg.model.device != "cpu":
-        return
-    import torch
-
-    from kvagentd.services import check_host_memory
-
     try:
-        check_host_memory(cfg, torch.device("cpu"))
+        notes = [_check_memory(cfg)]
+        notes += host_checks(cfg, Account.named(user) if user else None)
     except ConfigError as exc:
         typer.echo(f"kvagentd: bad configuration {path}: {exc}", err=True)
         raise typer.Exit(EX_CONFIG) from None
+    assets = ", ".join(a.name for a in cfg.agent.assets) if cfg.agent.enabled else "disabled"
+    typer.echo(f"{path}: ok (model {cfg.model.source}, hot {size(cfg.kv.hot_bytes)}, "
+               f"socket {cfg.control.socket}, agent: {assets})")
+    if verbose:
+        for n in notes:
+            typer.echo(f"  {n}")
+
+
+def _check_memory(cfg: Config) -> str:
+    """The host KV arenas fit the memory available now (`services.check_host_memory`), on the
+    device `run` would pick on this machine (`model.device = "auto"` without a GPU: the CPU)."""
+    import torch
+
+    from kvagentd.engine.model import ModelNotFound, resolve_device
+    from kvagentd.services import check_host_memory
+
+    try:
+        device = (torch.device("cpu") if cfg.model.source == "none"
+                  else resolve_device(cfg.model.device))
+    except ModelNotFound as exc:
+        raise ConfigError("model.device", cfg.model.device, str(exc)) from None
+    check_host_memory(cfg, device)
+    return (f"memory checked for the {device.type}"
+            + (" (model.device = auto, no GPU here)"
+               if cfg.model.device == "auto" and device.type == "cpu" else ""))
 
 
 def _floats(text: str | None, n: int, what: str) -> tuple[float, ...] | None:

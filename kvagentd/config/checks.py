@@ -7,12 +7,27 @@ health thresholds ordered, ...), naming the field to change.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from urllib.parse import urlsplit
 
 from kvagentd.config.errors import ConfigError
 from kvagentd.config.sections import Config, MqttConfig, RemoteConfig
 from kvagentd.config.values import parse_listen
+
+
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _host_name(text: str) -> bool:
+    """An IP address or a DNS host name (RFC 1123 labels)."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        pass
+    name = text[:-1] if text.endswith(".") else text
+    return 0 < len(name) <= 253 and all(_LABEL.fullmatch(x) for x in name.split("."))
 
 
 def cross_checks(cfg: Config) -> None:
@@ -38,6 +53,10 @@ def cross_checks(cfg: Config) -> None:
         if a.source == "mqtt" and not a.mqtt_topic:
             raise ConfigError(f"agent.assets[{i}].mqtt_topic", "",
                               "a topic when source = 'mqtt'")
+        if not _host_name(a.mqtt_host):
+            raise ConfigError(f"agent.assets[{i}].mqtt_host", a.mqtt_host,
+                              "a host name or IP address, without scheme or port (the port "
+                              "is mqtt_port)")
     if cfg.agent.events_retention_s < cfg.agent.events_raw_retention_s:
         raise ConfigError("agent.events_retention_s", cfg.agent.events_retention_s,
                           f"a number >= agent.events_raw_retention_s "

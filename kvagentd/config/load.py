@@ -39,7 +39,8 @@ def load_config(path: str | os.PathLike[str] | None = None,
         except FileNotFoundError:
             raise ConfigError("<file>", str(p), "an existing readable TOML file") from None
         except OSError as exc:
-            raise ConfigError("<file>", str(p), f"a readable file ({exc.strerror})") from None
+            raise ConfigError("<file>", str(p), f"a file user {_user()} may read "
+                                                f"({exc.strerror})") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError("<file>", str(p), f"valid TOML ({exc})") from None
     _apply_env(raw, os.environ if env is None else env)
@@ -181,3 +182,11 @@ def _check_range(value: int | float, path: str, meta: Mapping[str, Any]) -> Any:
         raise ConfigError(path, value, "a number" + _range_text(meta))
     return value
 
+
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
