@@ -1,4 +1,4 @@
-"""`kvagentd run [--config PATH]`, `kvagentd check-config PATH` and
+"""`kvagentd run [--config PATH]`, `kvagentd check-config PATH`, `kvagentd config default` and
 `kvagentd diagnose RECORDING`.
 
 Exit codes: 0 clean stop, 78 bad configuration (the message names the field, the value and
@@ -110,6 +110,27 @@ def _check_memory(cfg: Config) -> str:
     return (f"memory checked for the {device.type}"
             + (" (model.device = auto, no GPU here)"
                if cfg.model.device == "auto" and device.type == "cpu" else ""))
+
+
+config_app = typer.Typer(help="Default configurations.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("default")
+def config_default(
+    profile: Annotated[str, typer.Option(help="gpu (configs/kvagentd.toml) or cpu "
+                                              "(configs/edge-cpu.toml)")] = "gpu",
+    section: Annotated[str | None, typer.Option(help="only this section, e.g. kv")] = None,
+) -> None:
+    """Print a commented default configuration: every field, its value in the profile, and
+    what it does (from the config classes)."""
+    from kvagentd.config.reference import render
+
+    try:
+        typer.echo(render(profile, section), nl=False)
+    except ConfigError as exc:
+        typer.echo(f"kvagentd: {exc}", err=True)
+        raise typer.Exit(EX_USAGE) from None
 
 
 def _floats(text: str | None, n: int, what: str) -> tuple[float, ...] | None:
