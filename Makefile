@@ -64,6 +64,8 @@ clean:
 # ---------------------------------------------------------------------------------------------
 # make install [DESTDIR=/pkgroot] [PREFIX=/opt/kvagentd]: every step of README's systemd section.
 #   VENV_SOURCE=DIR  link PREFIX/venv to an existing venv instead of building one (tests)
+#   PROFILE=NAME     the configuration installed: configs/NAME.toml. Default: kvagentd (GPU)
+#                    where an NVIDIA driver answers or DESTDIR is set, else edge-cpu
 # With DESTDIR unset it also applies what a running system needs now (users, directories,
 # daemon-reload, udev reload, the SMART tools); with DESTDIR it only lays out the tree (the
 # sysusers and tmpfiles entries are applied at first boot) and enables the units in it.
@@ -77,6 +79,9 @@ KVCTL_LINK   ?= /usr/local/bin/kvctl
 VENV_SOURCE  ?=
 IVENV        := $(DESTDIR)$(PREFIX)/venv
 CONFDIR      := $(DESTDIR)$(SYSCONFDIR)/kvagentd
+PROFILE      ?= $(if $(DESTDIR),kvagentd,$(shell nvidia-smi -L >/dev/null 2>&1 && echo kvagentd || echo edge-cpu))
+# a DESTDIR tree is for another machine: its values are checked here, the machine at its start
+CHECK_HOST   := $(if $(DESTDIR),--no-host,)
 UNITS        := kvagentd.service kvagentd-tune.service kvagentd-health.service kvagentd-health.timer
 ENABLE       := kvagentd.service kvagentd-tune.service kvagentd-health.timer
 ifeq ($(DESTDIR),)
@@ -115,14 +120,14 @@ ifeq ($(DESTDIR),)
 endif
 	# 3. the configuration: never overwritten; the shipped one is also kvagentd.toml.default
 	install -d -m 0755 $(CONFDIR)
-	install -m 0644 configs/kvagentd.toml $(CONFDIR)/kvagentd.toml.default
+	install -m 0644 configs/$(PROFILE).toml $(CONFDIR)/kvagentd.toml.default
 	if [ ! -e $(CONFDIR)/kvagentd.toml ]; then \
-	    install -m 0640 configs/kvagentd.toml $(CONFDIR)/kvagentd.toml; \
+	    install -m 0640 configs/$(PROFILE).toml $(CONFDIR)/kvagentd.toml; \
 	    if [ -z "$(DESTDIR)" ]; then chgrp kvagent $(CONFDIR)/kvagentd.toml; fi; \
 	else \
 	    echo "kept $(CONFDIR)/kvagentd.toml (the shipped one is kvagentd.toml.default)"; \
 	fi
-	$(IVENV)/bin/python -m kvagentd check-config $(CONFDIR)/kvagentd.toml
+	$(IVENV)/bin/python -m kvagentd check-config $(CHECK_HOST) $(CONFDIR)/kvagentd.toml
 	# 4. units with absolute paths under PREFIX
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
 	for u in $(UNITS); do \

@@ -53,7 +53,14 @@ def _load(path: Path) -> Config:
 @app.command()
 def run(config: ConfigOpt = DEFAULT_CONFIG_PATH) -> None:
     """Run the daemon in the foreground (systemd: Type=notify)."""
+    from kvagentd.config.host import Account, host_checks
+
     cfg = _load(config)
+    try:  # what check-config checks of paths, as this process's user (exit 78, not 70)
+        host_checks(cfg, Account.current())
+    except ConfigError as exc:
+        typer.echo(f"kvagentd: bad configuration {config}: {exc}", err=True)
+        raise typer.Exit(EX_CONFIG) from None
     from kvagentd import log as logsetup
 
     # NOTE: before the daemon's imports: libraries read their progress-bar switches then.
@@ -72,6 +79,8 @@ def check_config(
                        "and this runs as root, else you)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v",
                                           help="also print what was checked")] = False,
+    host: Annotated[bool, typer.Option(help="also check against this machine (memory, paths); "
+                                            "--no-host for a file made for another box")] = True,
 ) -> None:
     """Validate a configuration file (with KVAGENTD_* overrides) against this machine without
     starting: every check `run` makes before it loads the model (values, memory, paths)."""
@@ -80,8 +89,9 @@ def check_config(
 
     cfg = _load(path)
     try:
-        notes = [_check_memory(cfg)]
-        notes += host_checks(cfg, Account.named(user) if user else None)
+        notes = [_check_memory(cfg)] if host else ["values only (--no-host)"]
+        if host:
+            notes += host_checks(cfg, Account.named(user) if user else None)
     except ConfigError as exc:
         typer.echo(f"kvagentd: bad configuration {path}: {exc}", err=True)
         raise typer.Exit(EX_CONFIG) from None

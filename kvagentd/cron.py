@@ -15,6 +15,7 @@ fire on Tuesdays. The day-of-week field is therefore rewritten to weekday names 
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 
 from apscheduler.triggers.cron import CronTrigger
 
@@ -50,7 +51,13 @@ def trigger(text: str) -> CronTrigger:
             CronTrigger(**{_APS_NAMES[name]: value})
         except ValueError as exc:
             raise CronError(f"{name} {value!r}: {exc}") from None
-    return CronTrigger.from_crontab(" ".join(fields))
+    out = CronTrigger.from_crontab(" ".join(fields))
+    # NOTE: a date no month has ("0 6 31 2 *") parses; APScheduler then finds no fire time
+    # up to year 9999 (0.1 s) and the job would never run
+    if out.get_next_fire_time(None, datetime.now(UTC)) is None:
+        raise CronError(f"never fires: no date has day of month {fields[2]!r} in month "
+                        f"{fields[3]!r}")
+    return out
 
 
 _APS_NAMES = {"minute": "minute", "hour": "hour", "day of month": "day", "month": "month",

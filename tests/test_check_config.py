@@ -58,6 +58,9 @@ def test_check_config_refuses_the_gpu_profile_where_it_would_run_on_the_cpu(tmp_
     r = _cli("check-config", str(big), "--user", "root")
     assert r.returncode == 78, r.stdout + r.stderr
     assert "kv.hot_bytes" in r.stderr and "available now" in r.stderr
+    # a file made for another box (make install DESTDIR=...): its values only
+    r = _cli("check-config", "--no-host", str(big))
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
 def test_paths_the_service_user_cannot_write_are_refused(tmp_path: Path) -> None:
@@ -131,3 +134,44 @@ def test_the_broker_address_form(tmp_path: Path, host: str, ok: bool) -> None:
             load_config(conf, env={})
         assert exc.value.path == "agent.assets[0].mqtt_host"
         assert "without scheme or port" in exc.value.allowed
+
+
+def _variants(tmp_path: Path) -> dict[str, tuple[dict[str, str], str, str]]:
+    """Configurations `run` used to refuse only after it started (exit 70) or never:
+    name -> (environment overrides, TOML added to [agent], the field the refusal names)."""
+    afile = tmp_path / "afile"
+    long_dir = tmp_path / ("d" * 100)
+    q = '"{}"'.format
+    return {
+        "nul in state_dir": ({"KVAGENTD_DAEMON__STATE_DIR": q("/var/lib/kv\\u0000agentd")}, "",
+                             "daemon.state_dir"),
+        "socket path too long": ({"KVAGENTD_CONTROL__SOCKET": q(f"{long_dir}/kvagentd.sock")},
+                                 "", "control.socket"),
+        "missing hf_dir": ({"KVAGENTD_MODEL__SOURCE": "hf_dir",
+                            "KVAGENTD_MODEL__PATH": q(f"{tmp_path}/nomodel")}, "", "model.path"),
+        "missing gguf": ({"KVAGENTD_MODEL__SOURCE": "gguf",
+                          "KVAGENTD_MODEL__PATH": q(f"{tmp_path}/m.gguf")}, "", "model.path"),
+        "hf_dir is a file": ({"KVAGENTD_MODEL__SOURCE": "hf_dir",
+                              "KVAGENTD_MODEL__PATH": q(str(afile))}, "", "model.path"),
+        "cron never fires": ({}, 'weekly_report_cron = "0 6 31 2 *"\n',
+                             "agent.weekly_report_cron"),
+        "replay file missing": ({"KVAGENTD_AGENT__ENABLED": "true"},
+                                f'[[agent.assets]]\nname = "p1"\nsource = "replay"\n'
+                                f'replay_path = "{tmp_path}/rec.npy"\n',
+                                "agent.assets[0].replay_path"),
+        "zone limit inf": ({}, '[[agent.assets]]\nname = "p1"\nzone_limits_mm_s = [1.4, 2.8, inf]\n',
+                           "agent.assets[0].zone_limits_mm_s"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_variants(Path("/tmp"))))
+def test_check_config_and_run_refuse_each_variant_with_78(tmp_path: Path, name: str) -> None:
+    env, extra, field = _variants(tmp_path)[name]
+    (tmp_path / "afile").write_text("x")
+    conf = write_config(tmp_path, extra=extra)
+    full = {**os.environ, **env}
+    for args in (("check-config", str(conf), "--user", "root"), ("run", "--config", str(conf))):
+        r = subprocess.run([sys.executable, "-m", "kvagentd", *args], capture_output=True,
+                           text=True, timeout=120, cwd=ROOT, env=full)
+        assert r.returncode == 78, (args, r.stdout, r.stderr[-2000:])
+        assert field in r.stderr, r.stderr[-2000:]

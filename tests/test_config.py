@@ -36,7 +36,7 @@ def test_defaults_are_valid_and_frozen() -> None:
 @pytest.mark.parametrize("text,path,value,allowed", [
     # wrong type
     ("[control]\nmax_connections = \"many\"", "control.max_connections", "many", "an integer"),
-    ("[daemon]\ndrain_timeout_s = \"soon\"", "daemon.drain_timeout_s", "soon", "a number"),
+    ("[daemon]\ndrain_timeout_s = \"soon\"", "daemon.drain_timeout_s", "soon", "a finite number"),
     ("[kv]\no_direct = 1", "kv.o_direct", 1, "true or false"),
     ("[control]\nsocket_group = 5", "control.socket_group", 5, "a string"),
     ("[kv]\ncold_dir = \"\"", "kv.cold_dir", "", "a non-empty path string"),

@@ -8,6 +8,7 @@ health thresholds ordered, ...), naming the field to change.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from urllib.parse import urlsplit
 
@@ -30,7 +31,16 @@ def _host_name(text: str) -> bool:
     return 0 < len(name) <= 253 and all(_LABEL.fullmatch(x) for x in name.split("."))
 
 
+# sockaddr_un.sun_path: 108 bytes with the terminating NUL
+_SOCKET_PATH_MAX = 107
+
+
 def cross_checks(cfg: Config) -> None:
+    sock = os.fsencode(cfg.control.socket)
+    if len(sock) > _SOCKET_PATH_MAX:
+        raise ConfigError("control.socket", str(cfg.control.socket),
+                          f"a path of at most {_SOCKET_PATH_MAX} bytes (a Unix socket "
+                          f"address; this one has {len(sock)})")
     lim = [tuple(a.zone_limits_mm_s) for a in cfg.agent.assets]
     for i, z in enumerate(lim):
         if not (0 < z[0] < z[1] < z[2]):

@@ -51,8 +51,17 @@ class Account:
                 return cls.named(SERVICE_USER)
             except ConfigError:
                 pass
+        return cls.current()
+
+    @classmethod
+    def current(cls) -> Account:
+        """Whoever runs this process (what `run` checks as)."""
         uid = os.geteuid()
-        return cls(pwd.getpwuid(uid).pw_name, uid, frozenset(os.getgroups()) | {os.getegid()})
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            name = str(uid)
+        return cls(name, uid, frozenset(os.getgroups()) | {os.getegid()})
 
     def may(self, path: Path, mode: int) -> bool:
         """`path` grants `mode` (stat.S_IR/S_IW/S_IX of the owner) to this account by its
@@ -73,9 +82,23 @@ def host_checks(cfg: Config, user: Account | None = None) -> list[str]:
     notes = [f"paths checked for user {account.name}"]
     for field, path in _dirs(cfg):
         notes += _writable_dir(field, path, account)
+    _model_path(cfg)
     for field, path in _files(cfg):
         _readable(field, path, account)
     return notes
+
+
+def _model_path(cfg: Config) -> None:
+    m = cfg.model
+    if m.source == "hf_dir" and m.path is not None and m.path.exists() and not m.path.is_dir():
+        raise ConfigError("model.path", str(m.path), "a directory (a transformers model: "
+                                                     "config.json, weights, tokenizer)")
+    if m.source == "gguf" and m.path is not None and m.path.is_dir():
+        raise ConfigError("model.path", str(m.path), "a .gguf file (this is a directory)")
+    if m.source == "hf_dir" and m.path is not None and m.path.is_dir() \
+            and not (m.path / "config.json").is_file():
+        raise ConfigError("model.path", str(m.path), "a transformers model directory (no "
+                                                     "config.json in it)")
 
 
 def _dirs(cfg: Config) -> Iterator[tuple[str, Path]]:

@@ -10,6 +10,7 @@ directory at load time. Rules across fields are in `kvagentd.config.checks`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import types
@@ -143,8 +144,9 @@ def _convert(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
             raise ConfigError(path, value, "an integer" + _range_text(meta))
         return _check_range(value, path, meta)
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-            raise ConfigError(path, value, "a number" + _range_text(meta))
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value):
+            raise ConfigError(path, value, "a finite number" + _range_text(meta))
         return float(_check_range(value, path, meta))
     if tp is CronText:
         if not isinstance(value, str):
@@ -161,6 +163,8 @@ def _convert(tp: Any, value: Any, path: str, meta: Mapping[str, Any]) -> Any:
     if tp is Path:
         if not isinstance(value, str) or not value:
             raise ConfigError(path, value, "a non-empty path string")
+        if "\0" in value:
+            raise ConfigError(path, value, "a path without NUL bytes")
         return Path(value).expanduser().absolute()
     raise TypeError(f"unsupported config type {tp!r} at {path}")  # a bug in this module
 
