@@ -3,6 +3,7 @@ contract of each unit, sysusers and tmpfiles, and README agreeing with sysusers.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -132,6 +133,10 @@ def test_sysusers_and_tmpfiles_apply_to_an_empty_root(tmp_path: Path) -> None:
         (root / d).mkdir(parents=True)
     shutil.copy(UNIT_DIR / "kvagentd.sysusers", root / "usr/lib/sysusers.d/kvagentd.conf")
     shutil.copy(UNIT_DIR / "kvagentd.tmpfiles", root / "usr/lib/tmpfiles.d/kvagentd.conf")
+    conf = root / "etc/kvagentd/kvagentd.toml"  # as a DESTDIR tree leaves it: root:root 0644
+    conf.parent.mkdir()
+    conf.write_text("[daemon]\n")
+    os.chmod(conf, 0o644)
     r = subprocess.run([tool("systemd-sysusers"), f"--root={root}", "kvagentd.conf"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -146,6 +151,9 @@ def test_sysusers_and_tmpfiles_apply_to_an_empty_root(tmp_path: Path) -> None:
     shm = root / "dev/shm/kvagentd"
     st = shm.stat()
     assert (st.st_mode & 0o777) == 0o750 and st.st_uid == uid
+    gid = int(re.search(r"^kvagent:x:(\d+):", group, re.M).group(1))
+    st = conf.stat()  # readable by the service user's group, by nobody else
+    assert (st.st_mode & 0o777) == 0o640 and st.st_gid == gid and st.st_uid == 0
 
 
 def test_readme_sysusers_and_config_name_the_same_groups() -> None:
