@@ -8,6 +8,7 @@ for everything a handler raises and renders the result as
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -136,6 +137,9 @@ _MAPPED_BY_NAME: dict[str, type[ApiError]] = {
     "json.decoder.JSONDecodeError": BadRequest,
 }
 
+# A disk that is full, read-only or failing under the daemon: 507 naming the path, not 500.
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+
 _BY_STATUS: dict[int, type[ApiError]] = {
     cls.status: cls
     for cls in (BadRequest, Forbidden, NotFound, MethodNotAllowed, RequestTimeout, Busy,
@@ -152,6 +156,9 @@ def to_api_error(exc: BaseException) -> ApiError:
     """
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
+        where = f"cannot write {exc.filename}" if exc.filename else "cannot write the state"
+        return Storage(f"{where}: {exc.strerror or exc}")
     for cls in type(exc).__mro__:
         target = _MAPPED_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
         if target is not None:

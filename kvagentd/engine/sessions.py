@@ -12,11 +12,14 @@ every save (to publish it).
 from __future__ import annotations
 
 import re
+import contextlib
+import errno
+import os
 import sqlite3
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -125,7 +128,7 @@ class SessionStore:
 
     def create(self, s: Session) -> bool:
         """Insert `s` unless a session with its id exists; True when this call created it."""
-        with self._lock:
+        with self._lock, self._writing():
             cur = self._db.execute(
                 f"INSERT INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT(id) DO NOTHING", self._values(s))
@@ -137,7 +140,7 @@ class SessionStore:
             self.guard.check_writable(s)
 
     def save(self, s: Session) -> None:
-        with self._lock:
+        with self._lock, self._writing():
             self._db.execute(
                 f"INSERT INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT(id) DO UPDATE SET "
@@ -149,7 +152,7 @@ class SessionStore:
     def replace(self, s: Session) -> None:
         """Store `s` whole (its owner included), replacing a session of the same id: a
         session handed over from another box. The guard is not told (it published it)."""
-        with self._lock:
+        with self._lock, self._writing():
             self._db.execute(
                 f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 self._values(s))
@@ -161,7 +164,7 @@ class SessionStore:
         return [self._row(r) for r in rows]
 
     def drop(self, session_id: str) -> Session | None:
-        with self._lock:
+        with self._lock, self._writing():
             row = self._db.execute(f"SELECT {_COLUMNS} FROM sessions WHERE id = ?",
                                    (session_id,)).fetchone()
             if row:
@@ -170,7 +173,7 @@ class SessionStore:
 
     def discard_empty(self, session_id: str) -> bool:
         """Delete the session if it holds no tokens (a first turn that never ran)."""
-        with self._lock:
+        with self._lock, self._writing():
             cur = self._db.execute("DELETE FROM sessions WHERE id = ? AND length(token_ids) = 0",
                                    (session_id,))
             return cur.rowcount == 1
@@ -182,6 +185,22 @@ class SessionStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """SQLite's full, read-only and I/O errors as the OSError they are (ENOSPC, EROFS,
+        EIO) naming the file, so that callers and the control API tell a full disk from a
+        bug (507, not 500); the transaction is rolled back, nothing half-written stays."""
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            name = getattr(exc, "sqlite_errorname", "")
+            code = (errno.ENOSPC if name == "SQLITE_FULL"
+                    else errno.EROFS if name.startswith("SQLITE_READONLY")
+                    else errno.EIO if name.startswith("SQLITE_IOERR") else None)
+            if code is None:
+                raise
+            raise OSError(code, f"{os.strerror(code)} ({exc})", str(self.path)) from exc
 
     @staticmethod
     def _values(s: Session) -> tuple[Any, ...]:
