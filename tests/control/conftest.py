@@ -22,7 +22,7 @@ from kvagentd.control.errors import Busy, NotFound
 from kvagentd.control.handlers import core
 from kvagentd.control.router import Request, Response, Router
 from kvagentd.control.server import ControlServer
-from kvagentd.metrics import CoreMetrics, new_registry
+from kvagentd.metrics.registry import CoreMetrics, new_registry
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from kvagentd.config import load_config
-from kvagentd.daemon import Daemon
+from kvagentd.daemon.core import Daemon
 from kvagentd.services import SERVICE_ORDER, Services
-from kvagentd.systemd import Notifier
+from kvagentd.daemon.systemd import Notifier
 
 
 class FakeService:
@@ -179,7 +179,7 @@ def test_startup_failure_stops_started_services(tmp: Path) -> None:
 
 
 def test_phase_transitions_are_checked(tmp: Path) -> None:
-    from kvagentd.daemon import Phase
+    from kvagentd.daemon.core import Phase
     d = _daemon(tmp)
     with pytest.raises(RuntimeError, match="illegal daemon phase change"):
         d._set_phase(Phase.STOPPED)
@@ -189,7 +189,7 @@ def test_phase_transitions_are_checked(tmp: Path) -> None:
 
 
 def test_with_field_replaces_one_nested_leaf() -> None:
-    from kvagentd.reload import with_field as _with_field
+    from kvagentd.daemon.reload import with_field as _with_field
     a = load_config(None, env={})
     b = dataclasses.replace(a, daemon=dataclasses.replace(a.daemon, log_level="debug",
                                                           drain_timeout_s=1.0))

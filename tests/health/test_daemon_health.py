@@ -16,10 +16,11 @@ import pytest
 
 from kvagentd.agent import jobs
 from kvagentd.config import Config, load_config
-from kvagentd.daemon import Daemon
-from kvagentd.jobwatch import JobWatch
+from kvagentd.daemon.core import Daemon
+from kvagentd.scheduling import jobs as schedjobs
+from kvagentd.scheduling.jobwatch import JobWatch
 from kvagentd.services import BuildContext, Services, build_services
-from kvagentd.systemd import Notifier
+from kvagentd.daemon.systemd import Notifier
 from kvctl.main import main as kvctl
 from tests.control.conftest import make_config
 
@@ -128,7 +129,7 @@ def test_a_failing_job_is_a_service_in_error_until_acknowledged(
 
     d.agent.reports.run_weekly = broken  # type: ignore[method-assign]
     d.scheduler.modify_job(jobs.weekly_job_id("pump-1"), func=broken)
-    jobs.run_job(d.scheduler, jobs.weekly_job_id("pump-1"))
+    schedjobs.run_job(d.scheduler, jobs.weekly_job_id("pump-1"))
     agent = _until(lambda: (c := _checks(d)["service:agent"])["status"] == "degraded" and c)
     assert "agent.weekly.pump-1 failed 1x" in agent["reason"] and "AttributeError" in agent["reason"]
     capsys.readouterr()

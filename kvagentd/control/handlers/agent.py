@@ -46,7 +46,7 @@ def parse_since(text: str | None, now: float) -> float | None:
 
 
 def register(router: Router, daemon: Any) -> None:
-    from kvagentd.agent import jobs
+    from kvagentd.scheduling import jobs
     from kvagentd.agent.reports import ReportError
 
     def agent() -> Any:
