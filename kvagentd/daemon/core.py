@@ -116,35 +116,6 @@ class Daemon:
         return trigger.interval.total_seconds() if isinstance(trigger, IntervalTrigger) \
             else None
 
-    # The services, for the control handlers; None where absent (or not built yet).
-    @property
-    def store(self) -> Any:
-        return self.services.store
-
-    @property
-    def placement(self) -> Any:
-        return self.services.placement
-
-    @property
-    def engine(self) -> Any:
-        return self.services.engine
-
-    @property
-    def maintenance(self) -> Any:
-        return self.services.maintenance
-
-    @property
-    def agent(self) -> Any:
-        return self.services.agent
-
-    @property
-    def remote(self) -> Any:
-        return self.services.remote
-
-    @property
-    def executor(self) -> Any:
-        return self.services.executor
-
     @property
     def phase(self) -> str:
         return self._phase.value

@@ -122,12 +122,12 @@ def test_a_failing_job_is_a_service_in_error_until_acknowledged(
     sock = str(d.config.control.socket)
     capsys.readouterr()
     assert kvctl(["--socket", sock, "health"]) == 0
-    assert d.agent is not None
+    assert d.services.agent is not None
 
     def broken(asset: str) -> str:
         raise AttributeError("'Config' object has no attribute 'assets'")
 
-    d.agent.reports.run_weekly = broken  # type: ignore[method-assign]
+    d.services.agent.reports.run_weekly = broken  # type: ignore[method-assign]
     d.scheduler.modify_job(jobs.weekly_job_id("pump-1"), func=broken)
     schedjobs.run_job(d.scheduler, jobs.weekly_job_id("pump-1"))
     agent = _until(lambda: (c := _checks(d)["service:agent"])["status"] == "degraded" and c)
@@ -142,7 +142,7 @@ def test_a_failing_job_is_a_service_in_error_until_acknowledged(
     assert _checks(d)["service:agent"]["status"] == "ok"
     assert kvctl(["--socket", sock, "health"]) == 0
 
-    d.agent.stop()  # the service stops: failing, ticks stop
+    d.services.agent.stop()  # the service stops: failing, ticks stop
     assert _checks(d)["service:agent"]["status"] == "failing"
 
 
