@@ -50,7 +50,8 @@ run: $(STAMP)
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# ruff over the tree; mypy strict for kvcache/ and engine/, basic elsewhere (pyproject.toml).
+# ruff over the tree; mypy strict for kvcache/, engine/, daemon/ and control/, basic elsewhere
+# (pyproject.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check kvagentd cli bench tests
 	$(BIN)/mypy

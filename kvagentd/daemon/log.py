@@ -113,7 +113,7 @@ def route_library_logs(progress_bars: bool = False) -> None:
     tf_logging.disable_default_handler()
     tf_logging.enable_propagation()
     if not progress_bars:
-        tf_logging.disable_progress_bar()
+        tf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated upstream
 
 
 def progress_bars_wanted() -> bool:
