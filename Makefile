@@ -50,7 +50,8 @@ run: $(STAMP)
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# ruff over the tree; mypy strict for kvcache/ and engine/, basic elsewhere (pyproject.toml).
+# ruff over the tree; mypy strict for kvcache/, engine/, daemon/ and control/, basic elsewhere
+# (pyproject.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check kvagentd cli bench tests
 	$(BIN)/mypy
@@ -136,7 +137,7 @@ endif
 	    chmod 0644 $(DESTDIR)$(UNITDIR)/$$u.tmp && mv $(DESTDIR)$(UNITDIR)/$$u.tmp $(DESTDIR)$(UNITDIR)/$$u; \
 	done
 	# 5. from the configuration: udev rule for the cold tier's disk, path and device drop-ins
-	$(IVENV)/bin/python -m kvagentd.deploy --config $(CONFDIR)/kvagentd.toml --root $(or $(DESTDIR),/) \
+	$(IVENV)/bin/python -m kvagentd.daemon.deploy --config $(CONFDIR)/kvagentd.toml --root $(or $(DESTDIR),/) \
 	    --config-path $(SYSCONFDIR)/kvagentd/kvagentd.toml
 ifeq ($(DESTDIR),)
 	systemd-tmpfiles --create kvagentd.conf kvagentd-paths.conf

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Sequence
 
-from kvagentd import log as _log
+from kvagentd.daemon import log as _log
 
 # NOTE: benchmarks time the data path, not log formatting: only warnings and errors are printed
 # (per-block DEBUG events would otherwise dominate short operations).

@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv if argv is not None else
                         sys.argv[1:] if __name__ == "__main__" else [])
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    from kvagentd import log
+    from kvagentd.daemon import log
 
     log.configure("warning")
     (ROOT / "var").mkdir(exist_ok=True)

@@ -34,7 +34,7 @@ def build_store(loaded: Any, directory: Path, args: argparse.Namespace, write_be
     from kvagentd.kvcache.cold.store import ColdStore
     from kvagentd.kvcache.keys import make_namespace
     from kvagentd.kvcache.store import TieredKVStore
-    from kvagentd.kvcache.writebehind import WriteBehindPolicy
+    from kvagentd.kvcache.store.writebehind import WriteBehindPolicy
 
     geometry = model_geometry(loaded.model, args.block_tokens, loaded.dtype)
     ns = make_namespace(loaded.fingerprint, loaded.dtype, args.block_tokens)

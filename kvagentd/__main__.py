@@ -17,7 +17,7 @@ import typer
 
 from kvagentd import __version__
 from kvagentd.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
-from kvagentd.exitcodes import EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_USAGE
+from kvagentd.daemon.exitcodes import EX_CONFIG, EX_DATAERR, EX_NOINPUT, EX_USAGE
 
 _CLICK_USAGE = 2
 
@@ -61,12 +61,12 @@ def run(config: ConfigOpt = DEFAULT_CONFIG_PATH) -> None:
     except ConfigError as exc:
         typer.echo(f"kvagentd: bad configuration {config}: {exc}", err=True)
         raise typer.Exit(EX_CONFIG) from None
-    from kvagentd import log as logsetup
+    from kvagentd.daemon import log as logsetup
 
     # NOTE: before the daemon's imports: libraries read their progress-bar switches then.
     logsetup.configure(cfg.daemon.log_level, cfg.daemon.log_format,
                        repeat_interval_s=cfg.daemon.log_repeat_interval_s)
-    from kvagentd.daemon import Daemon
+    from kvagentd.daemon.core import Daemon
 
     raise typer.Exit(Daemon(cfg, config.absolute()).run())
 

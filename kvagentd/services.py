@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvagentd.config import Config, ConfigError, DebugConfig
-from kvagentd.secrets import read_secret
+from kvagentd.config.secrets import read_secret
 
 if TYPE_CHECKING:
     import torch
@@ -47,8 +47,9 @@ if TYPE_CHECKING:
     from kvagentd.kvcache.fileio import FileOps
     from kvagentd.kvcache.placement import PlacementService
     from kvagentd.kvcache.remote import ClientFactory, RemoteSpec, RemoteStore
-    from kvagentd.kvcache.store import AccessListener, TieredKVStore
-    from kvagentd.kvcache.writebehind import WriteBehindPolicy
+    from kvagentd.kvcache.store import TieredKVStore
+    from kvagentd.kvcache.store.tiered import AccessListener
+    from kvagentd.kvcache.store.writebehind import WriteBehindPolicy
     from kvagentd.maintenance.service import Maintenance
 
 SERVICE_ORDER = ("store", "placement", "engine", "maintenance", "remote", "agent")
@@ -249,7 +250,7 @@ def check_host_memory(config: Config, device: torch.device,
 
 def write_behind_policy(config: Config) -> WriteBehindPolicy:
     """`kv.write_behind_*` as the store's write-behind policy."""
-    from kvagentd.kvcache.writebehind import WriteBehindPolicy
+    from kvagentd.kvcache.store.writebehind import WriteBehindPolicy
 
     return WriteBehindPolicy(interval_s=config.kv.write_behind_interval_s,
                              rate_bytes_per_s=int(config.kv.write_behind_rate_bytes_per_s))

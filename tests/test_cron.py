@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvagentd import cron
+from kvagentd.scheduling import cron
 from kvagentd.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

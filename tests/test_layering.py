@@ -1,6 +1,7 @@
 """The package's layering: no import cycle between modules, and the KV cache imports nothing
 above it (ARCHITECTURE.md: `kvcache` imports nothing from the others; `cli` talks only to the
-control API). Imports under `if TYPE_CHECKING:` are annotations, not dependencies."""
+control API). An import under `if TYPE_CHECKING:` is a dependency too: a circle of types is
+one the code must be read around, so it counts as a cycle."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+def _module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[0] == "cli":
         parts = parts[1:]
@@ -20,25 +21,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def _imports(path: Path, module: str) -> set[str]:
-    """Project modules `module` imports at run time (any depth of the file)."""
+    """Project modules `module` imports, at run time or for types only (any depth of the
+    file: inside functions and under `if TYPE_CHECKING:` as well)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for sub in ast.walk(node):
-                skip.add(id(sub))
     out: set[str] = set()
     is_pkg = path.name == "__init__.py"
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -53,9 +42,9 @@ def _imports(path: Path, module: str) -> set[str]:
     return {m for m in out if m.split(".")[0] in ("kvagentd", "kvctl")}
 
 
-def _graph() -> dict[str, set[str]]:
-    files = list((ROOT / "kvagentd").rglob("*.py")) + list((ROOT / "cli" / "kvctl").rglob("*.py"))
-    modules = {_module_name(p): p for p in files}
+def _graph(root: Path = ROOT) -> dict[str, set[str]]:
+    files = list((root / "kvagentd").rglob("*.py")) + list((root / "cli" / "kvctl").rglob("*.py"))
+    modules = {_module_name(p, root): p for p in files}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps = set()
@@ -93,10 +82,28 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _module_cycle(root: Path = ROOT) -> list[str] | None:
+    graph = {n: {d for d in deps if not n.startswith(d + ".")} for n, deps in _graph(root).items()}
+    return _cycle(graph)
+
+
 def test_no_import_cycle() -> None:
-    graph = {n: {d for d in deps if not n.startswith(d + ".")} for n, deps in _graph().items()}
-    cycle = _cycle(graph)
+    cycle = _module_cycle()
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_a_type_only_circle_is_a_cycle(tmp_path: Path) -> None:
+    """The checker itself: two modules that import each other, one of them only for its
+    types, form a cycle (a checker blind to `TYPE_CHECKING` would pass this tree)."""
+    pkg = tmp_path / "kvagentd"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                              "if TYPE_CHECKING:\n    from kvagentd.b import B\n")
+    (pkg / "b.py").write_text("from kvagentd import a\n")
+    assert _module_cycle(tmp_path) == ["kvagentd.a", "kvagentd.b", "kvagentd.a"]
+    (pkg / "a.py").write_text("")
+    assert _module_cycle(tmp_path) is None
 
 
 def test_kvcache_imports_nothing_above_it() -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from kvagentd.config import AssetConfig, ConfigError, MqttConfig
-from kvagentd.secrets import read_secret
+from kvagentd.config.secrets import read_secret
 
 log = structlog.get_logger(__name__)
 

@@ -1,30 +1,20 @@
-"""APScheduler 3.x glue: job ids, the weekly cron text, job listing and control.
+"""The agent's scheduler jobs: their ids and the weekly report's cron text.
 
 Agent job ids: `agent.tick.<asset>` (interval, max_instances=1, coalesce),
-`agent.weekly.<asset>` (cron) and `agent.prune` (hourly: the event log's retention).
-`list_jobs` / `run_job` / `pause_job` / `resume_job` work on any job of the scheduler (the
-control API exposes them for every service's jobs).
+`agent.weekly.<asset>` (cron) and `agent.prune` (hourly: the event log's retention). Listing
+and control of any job are `kvagentd.scheduling.jobs`.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-from typing import Any
-
-from apscheduler.jobstores.base import JobLookupError
 from apscheduler.triggers.cron import CronTrigger
-from apscheduler.triggers.interval import IntervalTrigger
 
-from kvagentd import cron
+from kvagentd.scheduling import cron
 
 TICK_PREFIX = "agent.tick."
 WEEKLY_PREFIX = "agent.weekly."
 PRUNE_JOB_ID = "agent.prune"  # the event log's retention, hourly
 PRUNE_INTERVAL_S = 3600.0
-
-
-class UnknownJob(KeyError):
-    """No job with this id."""
 
 
 def tick_job_id(asset: str) -> str:
@@ -37,64 +27,5 @@ def weekly_job_id(asset: str) -> str:
 
 def weekly_trigger(text: str) -> CronTrigger:
     """`agent.weekly_report_cron`: a crontab expression ("0 6 * * 1") or "<day-of-week> HH:MM"
-    ("mon 06:00"), local time (`kvagentd.cron`); raises `cron.CronError` (a ValueError)."""
+    ("mon 06:00"), local time (`kvagentd.scheduling.cron`); raises `cron.CronError` (a ValueError)."""
     return cron.trigger(text)
-
-
-def job_info(job: Any) -> dict[str, Any]:
-    nrt = job.next_run_time
-    return {"id": job.id, "name": job.name, "trigger": str(job.trigger),
-            "schedule": schedule_text(job.trigger),
-            "next_run": nrt.isoformat() if nrt else None, "paused": nrt is None,
-            "max_instances": job.max_instances, "coalesce": job.coalesce}
-
-
-def schedule_text(trigger: Any) -> str:
-    """A trigger as a person reads it: "every 3 s", "every 2 h", "cron 0 6 * * mon"."""
-    if isinstance(trigger, IntervalTrigger):
-        s = trigger.interval.total_seconds()
-        for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-            if s >= size and s % size == 0:
-                return f"every {s / size:g} {unit}"
-        return f"every {s:g} s"
-    if isinstance(trigger, CronTrigger):
-        by_name = {f.name: str(f) for f in trigger.fields}
-        return "cron " + " ".join(by_name.get(n, "*") for n in
-                                  ("minute", "hour", "day", "month", "day_of_week"))
-    return str(trigger)
-
-
-def list_jobs(scheduler: Any) -> list[dict[str, Any]]:
-    return [job_info(j) for j in sorted(scheduler.get_jobs(), key=lambda j: j.id)]
-
-
-def _job(scheduler: Any, job_id: str) -> Any:
-    job = scheduler.get_job(job_id)
-    if job is None:
-        raise UnknownJob(job_id)
-    return job
-
-
-def run_job(scheduler: Any, job_id: str) -> dict[str, Any]:
-    """Run a job now (its next run moves to now; a paused job runs once and stays scheduled)."""
-    job = _job(scheduler, job_id)
-    job.modify(next_run_time=dt.datetime.now(dt.UTC))
-    return job_info(_job(scheduler, job_id))
-
-
-def pause_job(scheduler: Any, job_id: str) -> dict[str, Any]:
-    _job(scheduler, job_id)
-    try:
-        scheduler.pause_job(job_id)
-    except JobLookupError:
-        raise UnknownJob(job_id) from None
-    return job_info(_job(scheduler, job_id))
-
-
-def resume_job(scheduler: Any, job_id: str) -> dict[str, Any]:
-    _job(scheduler, job_id)
-    try:
-        scheduler.resume_job(job_id)
-    except JobLookupError:
-        raise UnknownJob(job_id) from None
-    return job_info(_job(scheduler, job_id))

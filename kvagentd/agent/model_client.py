@@ -28,7 +28,7 @@ from kvagentd.config import AgentConfig
 from kvagentd.engine.constraints import Constraints
 from kvagentd.engine.executor import GenerationRequest, HotPoolFull, Priority, QueueFull
 from kvagentd.engine.job import CUT_SHORT, OnCut
-from kvagentd.engine.sequence import GenerationResult
+from kvagentd.engine.job import GenerationResult
 
 log = structlog.get_logger(__name__)
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from kvagentd import cron
+from kvagentd.scheduling import cron
 from kvagentd.config.checks import cross_checks
 from kvagentd.config.errors import ConfigError
 from kvagentd.config.sections import Config

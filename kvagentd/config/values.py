@@ -1,7 +1,7 @@
 """The value types config fields use beyond the builtins, and their parsers.
 
 `ByteSize` (an int written as 1048576, "512MiB" or "18GB"; `parse_size`), `CronText` (a
-schedule checked by `kvagentd.cron`) and `parse_listen` (the metrics listener's address).
+schedule checked by `kvagentd.scheduling.cron`) and `parse_listen` (the metrics listener's address).
 Parsers raise `ValueError`; the loader turns that into a `ConfigError` naming the field.
 """
 
@@ -15,7 +15,7 @@ class ByteSize(int):
 
 
 class CronText(str):
-    """A schedule: a crontab expression ("0 6 * * 1") or "<day-of-week> HH:MM" (`kvagentd.cron`),
+    """A schedule: a crontab expression ("0 6 * * 1") or "<day-of-week> HH:MM" (`kvagentd.scheduling.cron`),
     checked when the configuration is loaded."""
 
 

@@ -2,7 +2,8 @@
 
 `server` (lifecycle, draining), `socketfile` (the socket on disk), `listener` (the accept loop)
 with `admission` (per-uid shares), `connection` (one connection's requests: deadlines, limits,
-responses), `router` (routes, `Request`, `Response`), `authz` (peer credentials -> read / change
-access), `errors` (API errors and the one exception mapping), `handlers/` (one module of routes
-per area, each with `register(router, daemon)`).
+responses), `host` (what those two use of the server), `router` (routes, `Request`,
+`Response`), `authz` (peer credentials -> read / change access), `errors` (API errors and the
+one exception mapping), `deps` (`ControlDeps`: what the handlers use of the daemon),
+`handlers/` (one module of routes per area, each with `register(router, deps)`).
 """

@@ -9,7 +9,9 @@ for everything a handler raises and renders the result as
 from __future__ import annotations
 
 import errno
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -176,9 +178,9 @@ def for_status(status: int, message: str) -> ApiError:
     return cls(message)
 
 
-def require_service(daemon: object, name: str, missing: str) -> Any:
-    """The daemon's service `name`, or NotReady(`missing`) while it is absent or starting."""
-    service = getattr(daemon, name, None)
+def require_service(service: T | None, missing: str) -> T:
+    """`service` (one of `ControlDeps.services`), or NotReady(`missing`) while it is absent
+    or not built yet."""
     if service is None:
         raise NotReady(missing)
     return service

@@ -4,15 +4,12 @@ admitted (or refused) by its peer's uid before a thread is spent on it (`admissi
 from __future__ import annotations
 
 import socketserver
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 from kvagentd.control.authz import peer_cred
-from kvagentd.control.connection import ControlHandler
-
-if TYPE_CHECKING:
-    from kvagentd.control.server import ControlServer
+from kvagentd.control.host import ControlHost
 
 log = structlog.get_logger(__name__)
 
@@ -20,15 +17,17 @@ ACCEPT_BATCH = 256  # connections accepted per wake-up of the accept loop
 
 
 class Listener(socketserver.ThreadingUnixStreamServer):
-    """Accepts on the control socket; one thread per admitted connection (`ControlHandler`)."""
+    """Accepts on the control socket; one thread per admitted connection, served by `handler`
+    (`connection.ControlHandler`)."""
 
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, control: ControlServer) -> None:
+    def __init__(self, control: ControlHost,
+                 handler: type[socketserver.BaseRequestHandler]) -> None:
         self.control = control
         self.request_queue_size = control.cfg.listen_backlog
-        super().__init__(str(control.path), ControlHandler, bind_and_activate=False)
+        super().__init__(str(control.path), handler, bind_and_activate=False)
 
     def server_activate(self) -> None:
         super().server_activate()

@@ -29,6 +29,7 @@ from kvagentd.config import ControlConfig
 from kvagentd.control.admission import Admission
 from kvagentd.control.authz import AccessPolicy
 from kvagentd.control.connection import ControlHandler
+from kvagentd.control.host import TrackedConnection
 from kvagentd.control.listener import Listener
 from kvagentd.control.router import Router
 from kvagentd.control.socketfile import SocketFile
@@ -51,7 +52,7 @@ class ControlServer:
         self._observe_cb = observe
         self.admission = Admission(cfg.max_connections, cfg.max_connections_per_uid,
                                    cfg.connect_rate_per_uid)
-        self._conns: set[ControlHandler] = set()
+        self._conns: set[TrackedConnection] = set()
         self._lock = threading.Condition()
         self._server: Listener | None = None
         self._thread: threading.Thread | None = None
@@ -60,7 +61,7 @@ class ControlServer:
 
     def start(self) -> None:
         self.socket_file.prepare()
-        server = Listener(self)
+        server = Listener(self, ControlHandler)
         old_umask = os.umask(0o177)  # the socket is created 0600, then opened up to socket_mode
         try:
             server.server_bind()
@@ -138,11 +139,11 @@ class ControlServer:
 
     # -- bookkeeping used by the connections -------------------------------------------------
 
-    def register(self, h: ControlHandler) -> None:
+    def register(self, h: TrackedConnection) -> None:
         with self._lock:
             self._conns.add(h)
 
-    def unregister(self, h: ControlHandler) -> None:
+    def unregister(self, h: TrackedConnection) -> None:
         with self._lock:
             self._conns.discard(h)
             self._lock.notify_all()

@@ -12,11 +12,10 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvagentd.engine.constraints import Constraints
-from kvagentd.engine.sequence import GenerationResult
 from kvagentd.kvcache.transitions import check_transition
 
 
@@ -45,6 +44,31 @@ class GenerationRequest:
     one_sentence: bool = False  # end at the first sentence's end (`sequence.sentence_end`)
     on_cut: OnCut = OnCut.ANSWER  # what a turn cut off leaves in the session
     constraints: Constraints | None = None  # opening, banned phrases, spans not to copy
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    session: str
+    text: str = ""
+    new_tokens: int = 0
+    prompt_tokens: int = 0  # every token the model attended to before the first answer token
+    reused_tokens: int = 0  # taken from stored blocks, not recomputed
+    recomputed_tokens: int = 0  # matched in the store but missing/corrupt, so recomputed
+    prefill_tokens: int = 0  # tokens run through the model before the first answer token
+    finish_reason: str = ""  # stop | length | deadline | cancelled
+    saved: bool = False  # the turn was saved in its session (a next turn continues it)
+    session_tokens: int = 0  # tokens its session holds after it (when saved)
+    ttft_s: float = 0.0  # from admission (after queueing) to the first token
+    total_s: float = 0.0  # from admission to the end
+    queue_wait_s: float = 0.0  # from submit to the first admission
+    turn_start: int = 0  # ids its session held before this turn (0: a new session)
+    unanswered_tokens: int = 0  # ids of the session with this turn's prompt left unanswered
+    preemptions: int = 0
+    loaded: dict[str, int] = field(default_factory=dict)  # blocks by tier they came from
+    timings: dict[str, float] = field(default_factory=dict)  # where the time went
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
 
 
 CUT_SHORT = frozenset({"deadline", "cancelled"})  # finish reasons of a turn cut off

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvagentd.engine.sequence import GenerationResult
+from kvagentd.engine.job import GenerationResult
 
 _SIZE_BUCKETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 

@@ -25,7 +25,7 @@ import structlog
 import torch
 import xxhash
 
-from kvagentd import log as logsetup
+from kvagentd.daemon import log as logsetup
 from kvagentd.config import ModelConfig
 from kvagentd.engine.precision import (NATIVE_BF16_FLAGS, Calibration, DtypeChoice, compare,
                                        cpu_flags, greedy_answers, load_verdict, save_verdict,

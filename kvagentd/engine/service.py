@@ -33,7 +33,7 @@ from kvagentd.engine.model import LoadedModel, cpu_native_bf16
 from kvagentd.engine.memo import LogitsMemo
 from kvagentd.engine.rows import BatchRows
 from kvagentd.engine.runner import ModelRunner
-from kvagentd.engine.sequence import GenerationResult
+from kvagentd.engine.job import GenerationResult
 from kvagentd.engine.sessions import ChatFormat, Session, SessionGuard, SessionStore
 from kvagentd.kvcache.base import KVStore, Tier
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import structlog
 
 from kvagentd.agent.jobs import TICK_PREFIX
-from kvagentd.jobwatch import JobWatch, JobWindow
-from kvagentd.status import host_status
+from kvagentd.scheduling.jobwatch import JobWatch, JobWindow
+from kvagentd.daemon.status import host_status
 
 if TYPE_CHECKING:
     from apscheduler.schedulers.base import BaseScheduler

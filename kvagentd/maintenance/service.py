@@ -27,7 +27,7 @@ from kvagentd.config import Config
 from kvagentd.kvcache.base import ColdTier, Tier
 from kvagentd.kvcache.cold.causes import Cause
 from kvagentd.kvcache.cold.failover import FailoverColdStore
-from kvagentd.kvcache.pool import BlockPool
+from kvagentd.kvcache.store.pool import BlockPool
 from kvagentd.kvcache.store import TieredKVStore
 from kvagentd.maintenance import defrag as dfr
 from kvagentd.maintenance.health import HealthMonitor

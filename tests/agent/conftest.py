@@ -9,7 +9,7 @@ import pytest
 from kvagentd.config import AgentConfig, AssetConfig
 from kvagentd.engine.executor import GenerationRequest, QueueFull
 from kvagentd.engine.job import OnCut
-from kvagentd.engine.sequence import GenerationResult
+from kvagentd.engine.job import GenerationResult
 
 
 class FakeJob:

@@ -14,6 +14,7 @@ from kvagentd.agent.sensors import SensorSource
 from kvagentd.config import AssetConfig, FaultConfig
 from kvagentd.engine.executor import Priority
 from kvagentd.engine.job import OnCut
+from kvagentd.scheduling import jobs as schedjobs
 
 from .conftest import agent_config
 
@@ -241,22 +242,22 @@ def test_scheduler_skips_are_counted_not_piled_up(tmp_path, fake_executor, sched
 def test_jobs_list_run_pause_resume(tmp_path, fake_executor, scheduler, clock):
     ag = make_agent(tmp_path, fake_executor, scheduler, clock)
     ag.start()
-    ids = [j["id"] for j in jobs.list_jobs(scheduler)]
+    ids = [j["id"] for j in schedjobs.list_jobs(scheduler)]
     assert ids == ["agent.prune", "agent.tick.pump-1", "agent.weekly.pump-1"]
-    tick = jobs.job_info(scheduler.get_job("agent.tick.pump-1"))
+    tick = schedjobs.job_info(scheduler.get_job("agent.tick.pump-1"))
     assert tick["max_instances"] == 1 and tick["coalesce"] is True
-    assert jobs.pause_job(scheduler, "agent.tick.pump-1")["paused"] is True
-    assert jobs.resume_job(scheduler, "agent.tick.pump-1")["paused"] is False
-    assert jobs.run_job(scheduler, "agent.weekly.pump-1")["next_run"] is not None
-    with pytest.raises(jobs.UnknownJob):
-        jobs.pause_job(scheduler, "nope")
+    assert schedjobs.pause_job(scheduler, "agent.tick.pump-1")["paused"] is True
+    assert schedjobs.resume_job(scheduler, "agent.tick.pump-1")["paused"] is False
+    assert schedjobs.run_job(scheduler, "agent.weekly.pump-1")["next_run"] is not None
+    with pytest.raises(schedjobs.UnknownJob):
+        schedjobs.pause_job(scheduler, "nope")
     from kvagentd.config import Config
 
     # SIGHUP hands services the whole configuration; the agent applies its section
     ag.reload(Config(agent=dataclasses.replace(ag.config, tick_interval_s=5.0)))
-    assert "0:00:05" in jobs.job_info(scheduler.get_job("agent.tick.pump-1"))["trigger"]
+    assert "0:00:05" in schedjobs.job_info(scheduler.get_job("agent.tick.pump-1"))["trigger"]
     ag.stop()
-    assert jobs.list_jobs(scheduler) == []
+    assert schedjobs.list_jobs(scheduler) == []
 
 
 def test_weekly_trigger_text():
@@ -291,7 +292,7 @@ def test_skipped_ticks_in_status_are_the_daemons_one_count(tmp_path, fake_execut
 
     from apscheduler.events import EVENT_JOB_EXECUTED, EVENT_JOB_MISSED
 
-    from kvagentd.jobwatch import JobWatch
+    from kvagentd.scheduling.jobwatch import JobWatch
 
     watch = JobWatch(clock=lambda: 1000.0, period_of=lambda _job: 3.0)
     ag = Agent(agent_config(), fake_executor, scheduler, tmp_path, clock=clock,

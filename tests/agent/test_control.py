@@ -30,7 +30,8 @@ def served(fake_executor, scheduler, clock, tmp_path):
         clock.advance(3)
     sockdir = Path(tempfile.mkdtemp(prefix="kva-", dir="/tmp"))
     router = Router()
-    agent_handlers.register(router, types.SimpleNamespace(agent=ag, scheduler=scheduler,
+    agent_handlers.register(router, types.SimpleNamespace(services=types.SimpleNamespace(agent=ag),
+                                                          scheduler=scheduler,
                                                           config=Config()))
     server = ControlServer(ControlConfig(socket=sockdir / "s.sock", socket_group="",
                                          operator_group=""), router)

@@ -61,8 +61,8 @@ def test_config_show_writes_modes_in_octal_and_sizes_readably() -> None:
 def test_jobs_list_shows_schedules_and_local_times(monkeypatch, capsys) -> None:
     from apscheduler.schedulers.background import BackgroundScheduler
 
-    from kvagentd.agent import jobs
-    from kvagentd.cron import trigger
+    from kvagentd.scheduling import jobs
+    from kvagentd.scheduling.cron import trigger
 
     s = BackgroundScheduler(timezone="UTC")
     s.add_job(print, "interval", seconds=3, id="agent.tick.p")

@@ -9,6 +9,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import types
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from kvagentd.control.errors import Busy, NotFound
 from kvagentd.control.handlers import core
 from kvagentd.control.router import Request, Response, Router
 from kvagentd.control.server import ControlServer
-from kvagentd.metrics import CoreMetrics, new_registry
+from kvagentd.metrics.registry import CoreMetrics, new_registry
 
 
 @pytest.fixture
@@ -63,6 +64,9 @@ class FakeDaemon:
         self.metrics = new_registry()
         self.core_metrics = CoreMetrics(self.metrics)
         self.shutdown_requests: list[str] = []
+        # the routes' services (a test sets the ones it serves)
+        self.services = types.SimpleNamespace(store=None, placement=None, engine=None,
+                                              maintenance=None, remote=None, agent=None)
 
     def status(self) -> dict[str, Any]:
         return {"version": "test", "phase": self.phase, "ready": self.ready}

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvagentd.daemon import Daemon
-from kvagentd.systemd import Notifier
+from kvagentd.daemon.core import Daemon
+from kvagentd.daemon.systemd import Notifier
 from tests.control.conftest import Harness, make_config, start_harness
 
 

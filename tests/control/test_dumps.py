@@ -43,7 +43,7 @@ def box(short_dir: Path) -> Iterator[Box]:
     trace = TraceRecorder(100)
     trace.record(1, 10.0, "pump-1-1", KEYS)
     placement = types.SimpleNamespace(trace=trace, ingest=lambda: 0)  # nothing pending
-    daemon = types.SimpleNamespace(config=cfg, placement=placement)
+    daemon = types.SimpleNamespace(config=cfg, services=types.SimpleNamespace(placement=placement))
     router = Router()
     placement_routes.register(router, daemon)
     server = ControlServer(cfg.control, router)

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import shutil
 import tempfile
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,11 +52,7 @@ def served() -> Iterator[tuple[Path, Any]]:
                               operator_group="")
     store = _store(d)
 
-    class Daemon:
-        pass
-
-    daemon = Daemon()
-    daemon.store = store  # type: ignore[attr-defined]
+    daemon = types.SimpleNamespace(services=types.SimpleNamespace(store=store))
     router = Router()
     handlers.register(router, daemon)
     server = ControlServer(ctl, router)

@@ -69,7 +69,7 @@ def world(tiny: LoadedModel) -> Iterator[World]:  # noqa: F811
     cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, assets=(
         AssetConfig(name="pump-1"),)))
     daemon = FakeDaemon(cfg)
-    daemon.engine = eng
+    daemon.services.engine = eng
     router = Router()
     session_routes.register(router, daemon)
     server = ControlServer(cfg.control, router)
@@ -198,11 +198,11 @@ def test_a_failed_first_ask_leaves_no_session(world: World) -> None:
         def submit(self, req: Any) -> Any:
             raise QueueFull("queue full")
 
-    world.daemon.engine = Full()
+    world.daemon.services.engine = Full()
     try:
         status, body = world.reader("POST", "/v1/sessions/ghost/ask", ASK)
     finally:
-        world.daemon.engine = world.engine
+        world.daemon.services.engine = world.engine
     assert status == 409 and body["error"]["kind"] == "busy"
     assert world.engine.sessions.record("ghost") is None
     assert world.reader("POST", "/v1/sessions/ghost/ask", ASK, uid=OTHER)[0] == 200

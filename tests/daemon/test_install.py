@@ -1,6 +1,6 @@
 """`make install` into a DESTDIR: the tree, the configuration kept, the units verified with the
 paths they will have on the box, `make uninstall`; and the host-specific files from the
-configuration (kvagentd.deploy) on fake sysfs trees."""
+configuration (kvagentd.daemon.deploy) on fake sysfs trees."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvagentd import deploy
+from kvagentd.daemon import deploy
 from kvagentd.config import Config, DaemonConfig, KVConfig, MaintenanceConfig
 from tests.daemon.conftest import ROOT
 from tests.daemon.test_systemd_units import MAX_EXPOSURE, exposure, tool, unit_settings

@@ -8,7 +8,7 @@ import structlog
 
 import pytest
 
-from kvagentd import log as logsetup
+from kvagentd.daemon import log as logsetup
 
 
 @pytest.fixture(autouse=True)

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import structlog
 
-from kvagentd import log as logsetup
+from kvagentd.daemon import log as logsetup
 from kvagentd.config import Config, load_config
-from kvagentd.daemon import Daemon
-from kvagentd.repeats import RepeatLimiter
+from kvagentd.daemon.core import Daemon
+from kvagentd.daemon.repeats import RepeatLimiter
 from kvagentd.services import BuildContext, Services, build_services
-from kvagentd.systemd import Notifier
+from kvagentd.daemon.systemd import Notifier
 from tests.control.conftest import make_config
 
 
@@ -35,7 +35,7 @@ class Clock:
 
 
 def _record(event: str, **kw: Any) -> logging.LogRecord:
-    rec = logging.LogRecord("kvagentd.daemon", logging.WARNING, __file__, 1,
+    rec = logging.LogRecord("kvagentd.daemon.core", logging.WARNING, __file__, 1,
                             {"event": event, **kw}, None, None)
     return rec
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from kvagentd.config import load_config
-from kvagentd.daemon import Daemon
+from kvagentd.daemon.core import Daemon
 from kvagentd.services import SERVICE_ORDER, Services
-from kvagentd.systemd import Notifier
+from kvagentd.daemon.systemd import Notifier
 
 
 class FakeService:
@@ -134,7 +134,7 @@ def test_reload_applies_reloadable_fields_and_hands_config_to_services(tmp: Path
         assert result["restart_required"] == ["kv.block_tokens"]
         assert d.config.agent.tick_interval_s == 5.0
         assert d.config.kv.block_tokens == 16  # not applied live
-        assert d.agent.reloaded[-1].agent.tick_interval_s == 5.0
+        assert d.services.agent.reloaded[-1].agent.tick_interval_s == 5.0
         d.config_path.write_text("[kv]\nhot_bytes = -1\n")
         bad = d.reload()
         assert "kv.hot_bytes" in bad["error"] and d.config.agent.tick_interval_s == 5.0
@@ -159,7 +159,7 @@ def test_placement_policy_and_tuning_reload_but_its_sizes_wait_for_a_restart(tmp
                                      "placement.headroom_fraction": [0.03, 0.05]}
         assert result["restart_required"] == ["placement.prefetch_max_inflight",
                                               "placement.trace_capacity"]
-        got = d.placement.reloaded[-1].placement
+        got = d.services.placement.reloaded[-1].placement
         assert (got.policy, got.hot_factor, got.headroom_fraction) == ("heat+prefetch", 2.5, 0.05)
         assert got.trace_capacity == 100_000 and got.prefetch_max_inflight == 8
     finally:
@@ -179,7 +179,7 @@ def test_startup_failure_stops_started_services(tmp: Path) -> None:
 
 
 def test_phase_transitions_are_checked(tmp: Path) -> None:
-    from kvagentd.daemon import Phase
+    from kvagentd.daemon.core import Phase
     d = _daemon(tmp)
     with pytest.raises(RuntimeError, match="illegal daemon phase change"):
         d._set_phase(Phase.STOPPED)
@@ -189,7 +189,7 @@ def test_phase_transitions_are_checked(tmp: Path) -> None:
 
 
 def test_with_field_replaces_one_nested_leaf() -> None:
-    from kvagentd.reload import with_field as _with_field
+    from kvagentd.daemon.reload import with_field as _with_field
     a = load_config(None, env={})
     b = dataclasses.replace(a, daemon=dataclasses.replace(a.daemon, log_level="debug",
                                                           drain_timeout_s=1.0))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvagentd.status import GpuProbe, disk_status, host_status
+from kvagentd.daemon.status import GpuProbe, disk_status, host_status
 
 
 class _NVMLError(Exception):

@@ -5,7 +5,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from kvagentd.systemd import Notifier, watchdog_interval
+from kvagentd.daemon.systemd import Notifier, watchdog_interval
 
 
 def _listener(addr: str | bytes) -> socket.socket:

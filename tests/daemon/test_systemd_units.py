@@ -122,7 +122,7 @@ def test_root_helpers_are_confined() -> None:
 
 
 def test_no_static_udev_rule_for_every_nvme_disk() -> None:
-    """The rule is written at install for the cold tier's disk (kvagentd.deploy)."""
+    """The rule is written at install for the cold tier's disk (kvagentd.daemon.deploy)."""
     for rule in UNIT_DIR.glob("*.rules"):
         assert "nvme[0-9]" not in rule.read_text(), rule
 

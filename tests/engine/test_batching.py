@@ -17,7 +17,7 @@ from kvagentd.config import ExecutorConfig
 from kvagentd.engine.executor import GenerationRequest, HotPoolFull, Job, Priority
 from kvagentd.engine.model import LoadedModel
 from kvagentd.engine import sequence
-from kvagentd.engine.sequence import GenerationResult
+from kvagentd.engine.job import GenerationResult
 from kvagentd.engine.service import Engine
 from kvagentd.kvcache.base import Tier
 

@@ -28,7 +28,7 @@ from .conftest import make_store
 class Server:
     def __init__(self, cfg: Config, engine: Any) -> None:
         self.daemon = FakeDaemon(cfg)
-        self.daemon.engine = engine
+        self.daemon.services.engine = engine
         router = Router()
         session_routes.register(router, self.daemon)
         self.server = ControlServer(cfg.control, router)
@@ -90,16 +90,16 @@ def test_bad_requests_and_busy(srv: Server) -> None:
         assert c.get("/v1/sessions/bad%20id").status_code == 400
 
     class Full:
-        sessions = srv.daemon.engine.sessions
+        sessions = srv.daemon.services.engine.sessions
 
         def submit(self, req: Any) -> Any:
             raise QueueFull("32 requests queued")
 
-    srv.daemon.engine = Full()
+    srv.daemon.services.engine = Full()
     with srv.client() as c:
         r = c.post("/v1/sessions/x/ask", json={"question": "q"})
         assert r.status_code == 409 and r.json()["error"]["kind"] == "busy"
-    srv.daemon.engine = None
+    srv.daemon.services.engine = None
     with srv.client() as c:
         assert c.get("/v1/sessions").status_code == 503
 
@@ -125,10 +125,10 @@ def test_kvctl_ask_and_sessions(srv: Server, capsys: pytest.CaptureFixture[str])
     assert main(["--socket", sock, "sessions", "drop", "op-2"]) == 1
 
     class Full:
-        sessions = srv.daemon.engine.sessions
+        sessions = srv.daemon.services.engine.sessions
 
         def submit(self, req: Any) -> Any:
             raise QueueFull("queue full")
 
-    srv.daemon.engine = Full()
+    srv.daemon.services.engine = Full()
     assert main(["--socket", sock, "ask", "q"]) == 75

@@ -28,7 +28,7 @@ def test_failed_first_ask_leaves_no_ghost_session(tiny: LoadedModel) -> None:
     eng.start()
     srv = Server(make_config(d, read_timeout_s=30.0), eng)
     block_routes.register(srv.server.router, srv.daemon)
-    srv.daemon.store = store
+    srv.daemon.services.store = store
     try:
         assert eng.ask("a", "hi", max_new_tokens=2, system=SYSTEM).new_tokens > 0
         shared = set(store.keys_of_session("a"))

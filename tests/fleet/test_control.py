@@ -28,8 +28,8 @@ class Served:
 
     def __init__(self, box: Box) -> None:
         self.daemon = FakeDaemon(box.config)
-        self.daemon.engine = box.engine  # type: ignore[attr-defined]
-        self.daemon.remote = box.fleet  # type: ignore[attr-defined]
+        self.daemon.services.engine = box.engine
+        self.daemon.services.remote = box.fleet
         router = Router()
         session_routes.register(router, self.daemon)
         fleet_routes.register(router, self.daemon)

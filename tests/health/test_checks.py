@@ -11,7 +11,7 @@ from kvagentd.config import HealthConfig, load_config
 from kvagentd.health import Acknowledgements, DaemonFacts, Facts, Level, assess
 from kvagentd.health import checks
 from kvagentd.health.facts import JobFailure, ServiceFacts, TickFacts, WearFacts
-from kvagentd.jobwatch import JobWindow
+from kvagentd.scheduling.jobwatch import JobWindow
 from kvagentd.kvcache.cold import ColdView
 
 H = HealthConfig()

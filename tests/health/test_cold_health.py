@@ -11,7 +11,7 @@ import torch
 
 from kvagentd.config import Config, load_config
 from kvagentd.health import Acknowledgements, DaemonFacts, assess, gather
-from kvagentd.jobwatch import JobWatch
+from kvagentd.scheduling.jobwatch import JobWatch
 from kvagentd.kvcache.base import KVGeometry, Tier
 from kvagentd.kvcache.cold.record import ALIGN
 from kvagentd.kvcache.keys import make_namespace

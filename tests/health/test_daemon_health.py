@@ -16,10 +16,11 @@ import pytest
 
 from kvagentd.agent import jobs
 from kvagentd.config import Config, load_config
-from kvagentd.daemon import Daemon
-from kvagentd.jobwatch import JobWatch
+from kvagentd.daemon.core import Daemon
+from kvagentd.scheduling import jobs as schedjobs
+from kvagentd.scheduling.jobwatch import JobWatch
 from kvagentd.services import BuildContext, Services, build_services
-from kvagentd.systemd import Notifier
+from kvagentd.daemon.systemd import Notifier
 from kvctl.main import main as kvctl
 from tests.control.conftest import make_config
 
@@ -121,14 +122,14 @@ def test_a_failing_job_is_a_service_in_error_until_acknowledged(
     sock = str(d.config.control.socket)
     capsys.readouterr()
     assert kvctl(["--socket", sock, "health"]) == 0
-    assert d.agent is not None
+    assert d.services.agent is not None
 
     def broken(asset: str) -> str:
         raise AttributeError("'Config' object has no attribute 'assets'")
 
-    d.agent.reports.run_weekly = broken  # type: ignore[method-assign]
+    d.services.agent.reports.run_weekly = broken  # type: ignore[method-assign]
     d.scheduler.modify_job(jobs.weekly_job_id("pump-1"), func=broken)
-    jobs.run_job(d.scheduler, jobs.weekly_job_id("pump-1"))
+    schedjobs.run_job(d.scheduler, jobs.weekly_job_id("pump-1"))
     agent = _until(lambda: (c := _checks(d)["service:agent"])["status"] == "degraded" and c)
     assert "agent.weekly.pump-1 failed 1x" in agent["reason"] and "AttributeError" in agent["reason"]
     capsys.readouterr()
@@ -141,7 +142,7 @@ def test_a_failing_job_is_a_service_in_error_until_acknowledged(
     assert _checks(d)["service:agent"]["status"] == "ok"
     assert kvctl(["--socket", sock, "health"]) == 0
 
-    d.agent.stop()  # the service stops: failing, ticks stop
+    d.services.agent.stop()  # the service stops: failing, ticks stop
     assert _checks(d)["service:agent"]["status"] == "failing"
 
 

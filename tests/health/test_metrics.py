@@ -16,13 +16,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvagentd.agent.view import AssetView
 from kvagentd.config import Config, ConfigError, load_config, parse_listen
-from kvagentd.daemon import Daemon
+from kvagentd.daemon.core import Daemon
 from kvagentd.health import Acknowledgements, DaemonFacts, Facts, assess
 from kvagentd.health.facts import WearFacts
-from kvagentd.jobwatch import JobRecord
+from kvagentd.scheduling.jobwatch import JobRecord
 from kvagentd.kvcache.cold import ColdView
-from kvagentd.scrape import Scrape, ScrapeCollector
-from kvagentd.systemd import Notifier
+from kvagentd.metrics.scrape import Scrape, ScrapeCollector
+from kvagentd.daemon.systemd import Notifier
 from tests.control.conftest import make_config
 
 

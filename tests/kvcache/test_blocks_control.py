@@ -6,6 +6,7 @@ import dataclasses
 import json
 import shutil
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,7 @@ def served(make_store):
         cfg.control, socket=d / "k.sock", socket_group="", operator_group=""))
     store = make_store(hot=4, warm=4)
 
-    class Daemon:
-        pass
-
-    daemon = Daemon()
-    daemon.store = store
+    daemon = types.SimpleNamespace(services=types.SimpleNamespace(store=store))
     router = Router()
     handlers.register(router, daemon)
     server = ControlServer(cfg.control, router)
@@ -87,5 +84,5 @@ def test_bad_requests_and_unknown_targets(served):
     assert kvctl(cfg, "migrate", "--session", "x", "--to", "tepid").exit_code == 64
     assert kvctl(cfg, "migrate", "--block", "zz", "--to", "cold").exit_code == 64
     assert kvctl(cfg, "pin", "--session", "nobody").exit_code == 1  # 404
-    daemon.store = None
+    daemon.services.store = None
     assert kvctl(cfg, "blocks").exit_code == 75  # 503: not ready

@@ -8,7 +8,7 @@ import structlog
 
 from kvagentd.kvcache.base import BlockKey, Tier
 from kvagentd.kvcache.placement.base import CODE_OF
-from kvagentd.kvcache.state import BlockState, IntegrityError
+from kvagentd.kvcache.store.state import BlockState, IntegrityError
 
 from .conftest import compute_blocks, fill_value
 

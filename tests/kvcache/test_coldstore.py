@@ -245,7 +245,7 @@ def test_quantized_records(make_cold, geometry, namespace, codec):
 @pytest.mark.parametrize("o_direct", [True, False])
 def test_page_sized_blocks_read_straight_into_pool_slots(make_cold, namespace, tmp_path, o_direct):
     from kvagentd.kvcache.base import KVGeometry
-    from kvagentd.kvcache.pool import BlockPool
+    from kvagentd.kvcache.store.pool import BlockPool
 
     g = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=64, block_tokens=4, dtype=torch.float32)
     assert g.block_bytes % ALIGN == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvagentd.kvcache.keys import block_keys, key_hex, make_namespace, parse_key
-from kvagentd.kvcache.state import ALLOWED, BlockMeta, BlockState, IllegalTransition, transition
+from kvagentd.kvcache.store.state import ALLOWED, BlockMeta, BlockState, IllegalTransition, transition
 
 
 def test_keys_chain_and_only_full_blocks(namespace):

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.state import IntegrityError
+from kvagentd.kvcache.store.pool import BlockPool
+from kvagentd.kvcache.store.state import IntegrityError
 
 
 def test_allocate_lowest_first_and_never_grows():
@@ -77,7 +77,7 @@ def test_a_host_arena_is_taken_at_creation() -> None:
 
     code = (
         "import psutil, torch\n"
-        "from kvagentd.kvcache.pool import BlockPool\n"
+        "from kvagentd.kvcache.store.pool import BlockPool\n"
         "before = psutil.Process().memory_info().rss\n"
         "pool = BlockPool('warm', 256, (2, 2, 4, 16, 256), torch.float32)  # 64 MiB\n"
         "grown = psutil.Process().memory_info().rss - before\n"

@@ -10,7 +10,7 @@ from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.cold.record import ALIGN
 from kvagentd.kvcache.fileio import FileIO
 from kvagentd.kvcache.keys import make_namespace
-from kvagentd.kvcache.state import BlockState
+from kvagentd.kvcache.store.state import BlockState
 
 from .conftest import compute_blocks, fill_value
 

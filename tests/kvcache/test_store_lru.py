@@ -65,7 +65,7 @@ def test_choosing_victims_examines_only_the_victims(make_store):
 def test_integrity_check_catches_a_stale_idle_entry(make_store):
     import pytest
 
-    from kvagentd.kvcache.state import IntegrityError
+    from kvagentd.kvcache.store.state import IntegrityError
 
     st = make_store(hot=4, warm=4)
     keys = compute_blocks(st, "s", list(range(8)), 0, 2)

@@ -5,7 +5,7 @@ pinned block or one in use, and blocks with a cold copy stay in the cold tier.""
 from __future__ import annotations
 
 from kvagentd.kvcache.base import Tier
-from kvagentd.kvcache.room import Drop, Leg, PoolState, plan_drop
+from kvagentd.kvcache.store.room import Drop, Leg, PoolState, plan_drop
 
 from .conftest import compute_blocks, fill_value
 

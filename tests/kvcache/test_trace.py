@@ -126,7 +126,7 @@ def test_control_routes_dump_stream_and_status(tmp_path):
     svc = env.svc
     svc.ingest()
     config = types.SimpleNamespace(daemon=types.SimpleNamespace(state_dir=tmp_path))
-    daemon = types.SimpleNamespace(placement=svc, config=config)
+    daemon = types.SimpleNamespace(services=types.SimpleNamespace(placement=svc), config=config)
     router = Router()
     handler.register(router, daemon)
     route, st = _call(router, "GET", "/v1/placement")
@@ -149,7 +149,8 @@ def test_control_routes_dump_stream_and_status(tmp_path):
     assert json.loads(lines[0]) == {"kvagentd_trace": 1, "block_tokens": 16,
                                     "block_bytes": 4096} and len(lines) == 3
     router2 = Router()
-    handler.register(router2, types.SimpleNamespace(placement=None, config=config))
+    handler.register(router2, types.SimpleNamespace(services=types.SimpleNamespace(placement=None),
+                                                   config=config))
     with pytest.raises(NotReady):
         _call(router2, "GET", "/v1/placement")
 
@@ -167,7 +168,8 @@ def test_a_dump_under_heat_prefetch_holds_the_accesses_the_prefetcher_saw_first(
     assert len(env.svc.trace) == 0
     config = types.SimpleNamespace(daemon=types.SimpleNamespace(state_dir=tmp_path))
     router = Router()
-    handler.register(router, types.SimpleNamespace(placement=env.svc, config=config))
+    handler.register(router, types.SimpleNamespace(services=types.SimpleNamespace(placement=env.svc),
+                                                  config=config))
     _, out = _call(router, "POST", "/v1/trace/dump", b'{"name": "t.jsonl"}')
     assert out["events"] == 2
     assert [e.key for e in load_trace(tmp_path / "dumps/t.jsonl")] == [k(1), k(2)]

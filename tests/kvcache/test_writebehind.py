@@ -10,7 +10,7 @@ import threading
 import torch
 
 from kvagentd.kvcache.base import Tier
-from kvagentd.kvcache.writebehind import WriteBehindPolicy
+from kvagentd.kvcache.store.writebehind import WriteBehindPolicy
 
 from .conftest import compute_blocks, fill_value
 

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -113,11 +114,8 @@ def test_wear_makes_the_cold_tier_read_only(env):
 
 
 def serve(cfg: Config, m: Maintenance) -> ControlServer:
-    class D:
-        maintenance = m
-
     router = Router()
-    handlers.register(router, D())
+    handlers.register(router, types.SimpleNamespace(services=types.SimpleNamespace(maintenance=m)))
     server = ControlServer(cfg.control, router)
     server.start()
     return server

@@ -1,7 +1,7 @@
 """Agent routes: the event log, reports and scheduler jobs.
 
-`daemon.agent` is a `kvagentd.agent.agent.Agent` (None when the agent is not running);
-`daemon.scheduler` is the APScheduler the jobs live in.
+`deps.services.agent` is the agent (None when it is not running); `deps.scheduler` is the
+APScheduler the jobs live in.
 
     GET  /v1/events?asset=&since=&anomalies=&limit=   event rows, newest first
     GET  /v1/reports                                  report list, newest first
@@ -20,11 +20,17 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvagentd.control.authz import ask_user
+from kvagentd.control.deps import ControlDeps
 from kvagentd.control.errors import BadRequest, Busy, NotFound, NotReady, Storage, require_service
 from kvagentd.control.router import Request, Router
+
+if TYPE_CHECKING:
+    from apscheduler.schedulers.base import BaseScheduler
+
+    from kvagentd.agent.agent import Agent
 
 _AGE_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -45,18 +51,15 @@ def parse_since(text: str | None, now: float) -> float | None:
             from None
 
 
-def register(router: Router, daemon: Any) -> None:
-    from kvagentd.agent import jobs
+def register(router: Router, deps: ControlDeps) -> None:
+    from kvagentd.scheduling import jobs
     from kvagentd.agent.reports import ReportError
 
-    def agent() -> Any:
-        return require_service(daemon, "agent", "the agent is not running")
+    def agent() -> Agent:
+        return require_service(deps.services.agent, "the agent is not running")
 
-    def scheduler() -> Any:
-        s = getattr(daemon, "scheduler", None)
-        if s is None:
-            raise NotReady("the scheduler is not running")
-        return s
+    def scheduler() -> BaseScheduler:
+        return require_service(deps.scheduler, "the scheduler is not running")
 
     @router.route("GET", "/v1/events", change=False)
     def events(req: Request) -> dict[str, Any]:
@@ -113,7 +116,7 @@ def register(router: Router, daemon: Any) -> None:
         question = body.get("question")
         if not isinstance(question, str) or not question.strip():
             raise BadRequest("'question' must be a non-empty string")
-        limit = daemon.config.executor.ask_max_tokens
+        limit = deps.config.executor.ask_max_tokens
         max_tokens = body.get("max_tokens", limit)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not (
                 1 <= max_tokens <= limit):

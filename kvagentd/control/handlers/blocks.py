@@ -1,27 +1,31 @@
 """Block store routes: per-tier and per-session views, migrate, pin / unpin, cold verify.
 
-`daemon.store` is a `kvagentd.kvcache.store.TieredKVStore` (None until started).
+`deps.services.store` is the `TieredKVStore` (None until started).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvagentd.control.deps import ControlDeps
 from kvagentd.control.errors import BadRequest, NotFound, require_service
 from kvagentd.control.progress import stream_work
 from kvagentd.control.router import Request, Router
 from kvagentd.kvcache.base import Tier
 from kvagentd.kvcache.keys import parse_key
 
+if TYPE_CHECKING:
+    from kvagentd.kvcache.store import TieredKVStore
+
 MIGRATE_CHUNK = 64  # blocks moved per step of a migration (a progress line each)
 
 
-def register(router: Router, daemon: Any) -> None:
+def register(router: Router, deps: ControlDeps) -> None:
 
-    def store() -> Any:
-        return require_service(daemon, "store", "the block store is not running")
+    def store() -> TieredKVStore:
+        return require_service(deps.services.store, "the block store is not running")
 
-    def target_keys(s: Any, body: dict[str, Any]) -> list[bytes]:
+    def target_keys(s: TieredKVStore, body: dict[str, Any]) -> list[bytes]:
         """Keys named by {"session": ID} or {"block": HEX}; exactly one of them."""
         session, block = body.get("session"), body.get("block")
         if (session is None) == (block is None):

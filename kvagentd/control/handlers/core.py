@@ -7,13 +7,12 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvagentd.config import RELOADABLE, config_to_dict
+from kvagentd.control.deps import ControlDeps
 from kvagentd.control.errors import BadRequest, NotReady
 from kvagentd.control.router import Request, Response, Router
 
 
-def register(router: Router, daemon: Any) -> None:
-    """`daemon` provides: ready, phase, status(), health(), ack_health(names), config,
-    config_path, metrics, request_shutdown(reason)."""
+def register(router: Router, deps: ControlDeps) -> None:
 
     @router.route("GET", "/v1/livez", change=False, before_ready=True)
     def livez(req: Request) -> dict[str, Any]:
@@ -22,9 +21,9 @@ def register(router: Router, daemon: Any) -> None:
     @router.route("GET", "/v1/readyz", change=False, before_ready=True)
     def readyz(req: Request) -> dict[str, Any]:
         """Ready: running and no health check failing (degraded still serves)."""
-        if not daemon.ready:
-            raise NotReady(f"kvagentd is {daemon.phase}")
-        report = daemon.health()
+        if not deps.ready:
+            raise NotReady(f"kvagentd is {deps.phase}")
+        report = deps.health()
         failing = [f"{c['name']}: {c['reason']}" for c in report["checks"]
                    if c["status"] == "failing"]
         if failing:
@@ -33,11 +32,11 @@ def register(router: Router, daemon: Any) -> None:
 
     @router.route("GET", "/v1/status", change=False, before_ready=True)
     def status(req: Request) -> dict[str, Any]:
-        return daemon.status()
+        return deps.status()
 
     @router.route("GET", "/v1/health", change=False, before_ready=True)
     def health(req: Request) -> Response:
-        report = daemon.health()
+        report = deps.health()
         return Response(report, status=503 if report["status"] == "failing" else 200)
 
     @router.route("POST", "/v1/health/ack", change=True, before_ready=True)
@@ -47,21 +46,21 @@ def register(router: Router, daemon: Any) -> None:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise BadRequest("'checks' must be a list of check names")
         try:
-            return dict(daemon.ack_health(names))
+            return dict(deps.ack_health(names))
         except KeyError as exc:
             raise BadRequest(str(exc.args[0])) from None
 
     @router.route("GET", "/v1/config", change=False, before_ready=True)
     def config(req: Request) -> dict[str, Any]:
-        return {"path": str(daemon.config_path) if daemon.config_path else None,
+        return {"path": str(deps.config_path) if deps.config_path else None,
                 "reloadable": sorted(RELOADABLE),
-                "config": config_to_dict(daemon.config)}
+                "config": config_to_dict(deps.config)}
 
     @router.route("GET", "/v1/metrics", change=False, before_ready=True)
     def metrics(req: Request) -> Response:
-        return Response(generate_latest(daemon.metrics), content_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(deps.metrics), content_type=CONTENT_TYPE_LATEST)
 
     @router.route("POST", "/v1/shutdown", change=True, before_ready=True)
     def shutdown(req: Request) -> dict[str, Any]:
-        daemon.request_shutdown(f"api request from uid {req.peer.uid} pid {req.peer.pid}")
+        deps.request_shutdown(f"api request from uid {req.peer.uid} pid {req.peer.pid}")
         return {"stopping": True}

@@ -8,17 +8,21 @@ POST /v1/sessions/{id}/adopt        {"force"?: bool}  change route: take the ses
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvagentd.control.deps import ControlDeps
 from kvagentd.control.errors import BadRequest, Busy, Conflict, NotFound, NotReady, require_service
 from kvagentd.control.router import Request, Router
+
+if TYPE_CHECKING:
+    from kvagentd.fleet.service import FleetService
 
 NO_REMOTE = "no remote store is configured ([remote] url), or no model is loaded"
 
 
-def register(router: Router, daemon: Any) -> None:
-    def fleet() -> Any:
-        return require_service(daemon, "remote", NO_REMOTE)
+def register(router: Router, deps: ControlDeps) -> None:
+    def fleet() -> FleetService:
+        return require_service(deps.services.remote, NO_REMOTE)
 
     @router.route("GET", "/v1/fleet", change=False)
     def boxes(req: Request) -> dict[str, Any]:

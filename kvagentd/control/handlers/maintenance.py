@@ -1,30 +1,34 @@
 """Maintenance routes: defrag, NVMe tuning, shadow failover, scrub.
 
-`daemon.maintenance` is a `kvagentd.maintenance.service.Maintenance` (or None until started).
+`deps.services.maintenance` is the `Maintenance` service (or None until started).
 `POST /v1/tune/apply` is refused with 403 when the daemon is not root (as under systemd, where
 /sys is read-only for it): the root oneshot `kvagentd-tune.service` applies the settings at boot.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator
 
 import structlog
 
+from kvagentd.control.deps import ControlDeps
 from kvagentd.control.errors import BadRequest, Busy, Forbidden, Internal, require_service
 from kvagentd.control.progress import stream_work
 from kvagentd.control.router import Request, Router
+
+if TYPE_CHECKING:
+    from kvagentd.maintenance.service import Maintenance
 
 log = structlog.get_logger(__name__)
 
 TIERS = ("hot", "warm", "cold", "all")
 
 
-def register(router: Router, daemon: Any) -> None:
+def register(router: Router, deps: ControlDeps) -> None:
 
-    def svc() -> Any:
-        return require_service(daemon, "maintenance", "maintenance service is not running")
+    def svc() -> Maintenance:
+        return require_service(deps.services.maintenance, "maintenance service is not running")
 
     @router.route("GET", "/v1/defrag", change=False)
     def fragmentation(req: Request) -> dict[str, Any]:
@@ -90,7 +94,7 @@ def register(router: Router, daemon: Any) -> None:
         return svc().scrub_in_background()
 
 
-def _run_defrag(m: Any, tier: str, dry_run: bool, progress: Any) -> dict[str, Any]:
+def _run_defrag(m: Maintenance, tier: str, dry_run: bool, progress: Any) -> dict[str, Any]:
     from kvagentd.maintenance.service import DefragBusy
 
     try:

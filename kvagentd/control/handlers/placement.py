@@ -1,33 +1,37 @@
 """Placement routes: policy and heat status, trace dump and trace stream.
 
-`daemon.placement` is a `kvagentd.kvcache.placement.PlacementService` (None until started).
+`deps.services.placement` is the `PlacementService` (None until started).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvagentd.control.deps import ControlDeps
 from kvagentd.control.dumps import DumpDir, DumpDirUnsafe, DumpExists, DumpNameError
 from kvagentd.control.errors import BadRequest, Conflict, Storage, require_service
 from kvagentd.control.router import NDJSON_TYPE, Request, Response, Router
 from kvagentd.kvcache.placement.trace_recorder import iter_jsonl, write_trace_to
 
+if TYPE_CHECKING:
+    from kvagentd.kvcache.placement import PlacementService
+
 TRACE_FORMATS = ("jsonl", "npz")
 
 
-def register(router: Router, daemon: Any) -> None:
+def register(router: Router, deps: ControlDeps) -> None:
 
-    def placement() -> Any:
-        return require_service(daemon, "placement", "placement is not running")
+    def placement() -> PlacementService:
+        return require_service(deps.services.placement, "placement is not running")
 
     @router.route("GET", "/v1/placement", change=False)
     def get_placement(req: Request) -> dict[str, Any]:
         """Policy, last round (moves, decision time) and heat statistics."""
         return placement().status()
 
-    dumps = DumpDir(Path(daemon.config.daemon.state_dir) / "dumps")
+    dumps = DumpDir(Path(deps.config.daemon.state_dir) / "dumps")
 
     @router.route("POST", "/v1/trace/dump", change=True)
     def dump_trace(req: Request) -> dict[str, Any]:

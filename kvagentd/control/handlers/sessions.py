@@ -20,21 +20,25 @@ DELETE /v1/sessions/{id}  |  POST /v1/sessions/{id}/drop   (its owner, or operat
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvagentd.control.authz import SessionRules, name_of_uid
+from kvagentd.control.deps import ControlDeps
 from kvagentd.control.errors import (BadRequest, Busy, Conflict, Forbidden, NotFound,
                                      require_service)
 from kvagentd.control.router import Request, Router
 
+if TYPE_CHECKING:
+    from kvagentd.engine.service import Engine
+
 DAEMON_OWNER = "daemon"
 
 
-def register(router: Router, daemon: Any) -> None:
-    rules = SessionRules.from_config(daemon.config)
+def register(router: Router, deps: ControlDeps) -> None:
+    rules = SessionRules.from_config(deps.config)
 
-    def engine() -> Any:
-        return require_service(daemon, "engine",
+    def engine() -> Engine:
+        return require_service(deps.services.engine,
                                "no model is loaded (model.source = 'none', or still starting)")
 
     def valid_id(sid: str) -> str:
@@ -58,7 +62,7 @@ def register(router: Router, daemon: Any) -> None:
         question = body.get("question")
         if not isinstance(question, str) or not question.strip():
             raise BadRequest("'question' must be a non-empty string")
-        limit = daemon.config.executor.ask_max_tokens
+        limit = deps.config.executor.ask_max_tokens
         max_tokens = body.get("max_tokens", limit)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not (
                 1 <= max_tokens <= limit):

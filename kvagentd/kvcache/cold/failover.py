@@ -45,10 +45,9 @@ import torch
 
 from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdEntry, ColdListener, KVGeometry,
                                    VerifyProgress)
-from kvagentd.kvcache.cold import failback
 from kvagentd.kvcache.cold.causes import Cause
-from kvagentd.kvcache.cold.failback import PROBE_NAME, FailoverError, RestoreDeferred
-from kvagentd.kvcache.cold.serving import TRANSITIONS, ColdView, ServingTier, view_of
+from kvagentd.kvcache.cold.failback import PROBE_NAME, Failback, FailoverError, RestoreDeferred
+from kvagentd.kvcache.cold.serving import TRANSITIONS, ColdView, ServingTier
 from kvagentd.kvcache.cold.store import ColdStore
 from kvagentd.kvcache.fileio import FileIO, FileOps
 from kvagentd.kvcache.transitions import check_transition
@@ -76,7 +75,8 @@ class FailoverColdStore:
 
     `file_io` is the primary's file-operation object (probes go through it so that injected or
     real faults show); `probe_dir` the primary's directory; `listener` hears of failovers
-    (the primary and the shadow report their own evictions to it).
+    (the primary and the shadow report their own evictions to it). The way back to the SSD,
+    and its counters, are `failback` (`failback.Failback`).
     """
 
     def __init__(self, primary: ColdStore, shadow: ColdStore, geometry: KVGeometry, *,
@@ -92,22 +92,18 @@ class FailoverColdStore:
         self.listener = listener
         self.probe_dir = Path(probe_dir)
         self.file_io: FileOps = file_io if file_io is not None else FileIO()
-        self.failback_good_probes = failback_good_probes
         self.shadow_capacity_bytes = shadow_capacity_bytes
         self.free_floor_bytes = int(free_floor_bytes)
         self._free_bytes = free_bytes
         self.clock = clock
         self._lock = threading.RLock()
-        self.restore_lock = threading.Lock()
         self.state = ServingTier.SSD
         self.cause: Cause | None = None  # why the shadow serves (None while the SSD does)
-        self.restore_deferred: str | None = None  # why the last restore did not start
         self.since = clock()
         self.reason = "start"
-        self.good_probes = 0
         self.failovers = 0
-        self.failbacks = 0
-        self.restored_blocks = 0
+        self.failback = Failback(self, probe_dir=self.probe_dir, file_io=self.file_io,
+                                 good_probes_needed=failback_good_probes)
         self._errors_seen = _io_errors(primary)
         self._wear_read_only = bool(primary.read_only)
         if primary.unwritable is not None:
@@ -138,7 +134,7 @@ class FailoverColdStore:
             check_transition(TRANSITIONS, self.state, new, "cold tier serving")
             old, self.state = self.state, new
             self.since, self.reason = self.clock(), reason
-            self.good_probes = 0
+            self.failback.reset_probes()
             if new is ServingTier.SSD:
                 self.cause = None
             elif cause is not None:
@@ -208,10 +204,10 @@ class FailoverColdStore:
     def space_wanted(self) -> int:
         """Bytes to free on the SSD before a restore deferred for space can start (0 when
         none is deferred for space, or the shadow's records fit)."""
-        if self.state is ServingTier.SSD or self.restore_deferred is None \
+        if self.state is ServingTier.SSD or self.failback.deferred is None \
                 or self.primary.unwritable is not None:
             return 0
-        return failback.space_wanted(self)
+        return self.failback.space_wanted()
 
     def _notify_failover(self) -> None:
         """Tell the store that SSD copies are no longer to be relied on (no lock held)."""
@@ -415,28 +411,44 @@ class FailoverColdStore:
     def status(self) -> dict[str, Any]:
         used = self.shadow.bytes_used
         cap = self.shadow_capacity_bytes
+        fb = self.failback
         return {"serving": self.state.value, "since": self.since, "reason": self.reason,
                 "shadow_blocks": len(self.shadow.keys()), "shadow_bytes": used,
                 "shadow_capacity_bytes": cap,
                 "shadow_fill": round(used / cap, 4) if cap else None,
-                "good_probes": self.good_probes, "failback_after": self.failback_good_probes,
-                "failovers": self.failovers, "failbacks": self.failbacks,
-                "restored_blocks": self.restored_blocks,
+                "good_probes": fb.good_probes, "failback_after": fb.good_probes_needed,
+                "failovers": self.failovers, "failbacks": fb.failbacks,
+                "restored_blocks": fb.restored_blocks,
                 "cause": self.cause.value if self.cause else None,
                 "ssd_unwritable": self.primary.unwritable,
-                "restore_deferred": self.restore_deferred,
+                "restore_deferred": fb.deferred,
                 "restore_need_bytes": (int(used) + self.free_floor_bytes
                                        if self.state is not ServingTier.SSD else 0),
                 "ssd_free_bytes": self.free_bytes()}
 
     def view(self) -> ColdView:
         """Read-only figures for health checks and metrics (no index scans)."""
-        return view_of(self)
+        with self._lock:
+            serving, since, reason, cause = self.state.value, self.since, self.reason, self.cause
+        fb, p, s = self.failback, self.primary, self.shadow
+        return ColdView(serving=serving, since=since, reason=reason,
+                        read_only=bool(p.read_only) or p.unwritable is not None,
+                        ssd_bytes=p.bytes_used, ssd_capacity_bytes=p.capacity_bytes,
+                        shadow_bytes=s.bytes_used,
+                        shadow_capacity_bytes=self.shadow_capacity_bytes,
+                        counters={"ssd": dict(p.counters), "shadow": dict(s.counters)},
+                        index_discarded={"ssd": p.index.discarded_at_open,
+                                         "shadow": s.index.discarded_at_open},
+                        failovers=self.failovers, failbacks=fb.failbacks,
+                        cause=cause.value if cause else None, ssd_unwritable=p.unwritable,
+                        restore_deferred=fb.deferred,
+                        restore_need_bytes=(int(s.bytes_used) + self.free_floor_bytes
+                                            if serving != ServingTier.SSD.value else 0))
 
     def probe(self) -> dict[str, Any]:
         """One health-interval probe: while on the shadow, count good probes and fail back
         after `failback_good_probes` in a row (unless the restore is deferred)."""
-        return failback.probe(self)
+        return self.failback.probe()
 
     def close(self) -> None:
         self.shadow.close()
@@ -448,11 +460,11 @@ class FailoverColdStore:
     # ---- probes and failback -------------------------------------------------------------
     def probe_once(self) -> bool:
         """Write, fsync, read back and remove a small file on the SSD through its file_io."""
-        return failback.probe_once(self)
+        return self.failback.probe_once()
 
     def restore(self, reason: str = "operator request") -> dict[str, Any]:
         """Write every shadow record back to the SSD, then empty the shadow and serve from the
         SSD. Raises `RestoreDeferred` (nothing moved) when the SSD store takes no writes or
         the disk lacks room for the shadow's records above the floor, `FailoverError` (and
         keeps serving from the shadow) if a write fails."""
-        return failback.restore(self, reason)
+        return self.failback.restore(reason)

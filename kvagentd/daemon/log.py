@@ -15,7 +15,7 @@ from typing import IO, Literal
 
 import structlog
 
-from kvagentd.repeats import DropSchedulerSkips, RepeatLimiter
+from kvagentd.daemon.repeats import DropSchedulerSkips, RepeatLimiter
 
 Format = Literal["auto", "json", "console"]
 
@@ -35,7 +35,7 @@ def configure(level: str = "info", fmt: Format = "auto", stream: IO[str] | None 
     JSON logs stay pure JSON: progress bars of libraries (tqdm, huggingface_hub) are switched
     off through their environment switches, so call this before importing them;
     `route_library_logs()` sends transformers' own records through this handler too. The same
-    warning again within `repeat_interval_s` is counted, not written (`kvagentd.repeats`)."""
+    warning again within `repeat_interval_s` is counted, not written (`kvagentd.daemon.repeats`)."""
     global _repeats, _handler, _as_json
     stream = stream or sys.stdout
     tty = _isatty(stream)
@@ -113,7 +113,7 @@ def route_library_logs(progress_bars: bool = False) -> None:
     tf_logging.disable_default_handler()
     tf_logging.enable_propagation()
     if not progress_bars:
-        tf_logging.disable_progress_bar()
+        tf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated upstream
 
 
 def progress_bars_wanted() -> bool:

@@ -21,8 +21,8 @@ import structlog
 import torch
 
 from kvagentd.kvcache.base import BlockKey, ColdTier, Tier
-from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.state import TIER_STATE, BlockMeta, BlockState, transition
+from kvagentd.kvcache.store.pool import BlockPool
+from kvagentd.kvcache.store.state import TIER_STATE, BlockMeta, BlockState, transition
 
 log = structlog.get_logger(__name__)
 

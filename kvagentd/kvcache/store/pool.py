@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvagentd.kvcache.state import IntegrityError
+from kvagentd.kvcache.store.state import IntegrityError
 
 
 ARENA_ALIGN = 4096

@@ -22,9 +22,9 @@ import time
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, Tier
-from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.state import BlockMeta, BlockState, transition
-from kvagentd.kvcache.table import BlockTable
+from kvagentd.kvcache.store.pool import BlockPool
+from kvagentd.kvcache.store.state import BlockMeta, BlockState, transition
+from kvagentd.kvcache.store.table import BlockTable
 
 log = structlog.get_logger(__name__)
 

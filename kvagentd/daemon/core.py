@@ -26,26 +26,26 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from kvagentd import __version__
-from kvagentd import log as logsetup
+from kvagentd.daemon import log as logsetup
 from kvagentd.config import Config, ConfigError, load_config
 from kvagentd.control.handlers import register_all
 from kvagentd.control.router import Router
 from kvagentd.control.server import ControlServer
 from kvagentd.control.socketfile import ControlSocketInUse
-from kvagentd.exitcodes import EX_OK, startup_exit_code
+from kvagentd.daemon.exitcodes import EX_OK, startup_exit_code
 from kvagentd.health import Acknowledgements, DaemonFacts, Facts, Report, assess, gather
 from kvagentd.agent.jobs import TICK_PREFIX
-from kvagentd.jobevents import JOB_EVENTS, JobEventListener
-from kvagentd.jobwatch import JobWatch
+from kvagentd.scheduling.jobevents import JOB_EVENTS, JobEventListener
+from kvagentd.scheduling.jobwatch import JobWatch
 from kvagentd.kvcache.transitions import check_transition
-from kvagentd.loop_requests import LoopRequests
-from kvagentd.metrics import CoreMetrics, new_registry
-from kvagentd.metrics_http import MetricsListener, start_listener
-from kvagentd.reload import merge_reloadable
-from kvagentd.scrape import Scrape, ScrapeCollector
+from kvagentd.daemon.loop_requests import LoopRequests
+from kvagentd.metrics.registry import CoreMetrics, new_registry
+from kvagentd.metrics.http import MetricsListener, start_listener
+from kvagentd.daemon.reload import merge_reloadable
+from kvagentd.metrics.scrape import Scrape, ScrapeCollector
 from kvagentd.services import BuildContext, Service, Services, build_services
-from kvagentd.status import GpuProbe, host_status
-from kvagentd.systemd import Notifier
+from kvagentd.daemon.status import GpuProbe, host_status
+from kvagentd.daemon.systemd import Notifier
 
 log = structlog.get_logger(__name__)
 
@@ -115,35 +115,6 @@ class Daemon:
         trigger = job.trigger if job is not None else None
         return trigger.interval.total_seconds() if isinstance(trigger, IntervalTrigger) \
             else None
-
-    # The services, for the control handlers; None where absent (or not built yet).
-    @property
-    def store(self) -> Any:
-        return self.services.store
-
-    @property
-    def placement(self) -> Any:
-        return self.services.placement
-
-    @property
-    def engine(self) -> Any:
-        return self.services.engine
-
-    @property
-    def maintenance(self) -> Any:
-        return self.services.maintenance
-
-    @property
-    def agent(self) -> Any:
-        return self.services.agent
-
-    @property
-    def remote(self) -> Any:
-        return self.services.remote
-
-    @property
-    def executor(self) -> Any:
-        return self.services.executor
 
     @property
     def phase(self) -> str:

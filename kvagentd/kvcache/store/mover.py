@@ -17,11 +17,11 @@ from collections.abc import Sequence
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, ColdTier, Tier
-from kvagentd.kvcache.migration import Migrator, Transfer
-from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.room import ROUNDS, Drop, Leg, PoolState, plan_drop, plan_moves, plan_room
-from kvagentd.kvcache.state import BlockMeta, BlockState
-from kvagentd.kvcache.table import POOL_TIERS, BlockTable
+from kvagentd.kvcache.store.migration import Migrator, Transfer
+from kvagentd.kvcache.store.pool import BlockPool
+from kvagentd.kvcache.store.room import ROUNDS, Drop, Leg, PoolState, plan_drop, plan_moves, plan_room
+from kvagentd.kvcache.store.state import BlockMeta, BlockState
+from kvagentd.kvcache.store.table import POOL_TIERS, BlockTable
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,7 @@ from kvagentd.agent.view import ZONE_NUMBER
 
 if TYPE_CHECKING:
     from kvagentd.health import Facts, Report
-    from kvagentd.jobwatch import JobRecord
+    from kvagentd.scheduling.jobwatch import JobRecord
 
 log = structlog.get_logger(__name__)
 

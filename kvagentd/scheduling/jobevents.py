@@ -14,8 +14,8 @@ from apscheduler.events import (EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, EVENT_JOB_M
                                 EVENT_JOB_MISSED, JobEvent)
 
 from kvagentd.agent.jobs import TICK_PREFIX
-from kvagentd.jobwatch import JobWatch
-from kvagentd.metrics import CoreMetrics
+from kvagentd.scheduling.jobwatch import JobWatch
+from kvagentd.metrics.registry import CoreMetrics
 
 # The events the listener is registered for (`scheduler.add_listener(listener, JOB_EVENTS)`).
 JOB_EVENTS = EVENT_JOB_EXECUTED | EVENT_JOB_ERROR | EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES

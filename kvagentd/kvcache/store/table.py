@@ -25,10 +25,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvagentd.kvcache.base import BlockInfo, BlockKey, Tier
-from kvagentd.kvcache.leases import Leases
+from kvagentd.kvcache.store.leases import Leases
 from kvagentd.kvcache.placement.base import BlockStates, block_states
-from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.state import BlockMeta, BlockState, IntegrityError, transition
+from kvagentd.kvcache.store.pool import BlockPool
+from kvagentd.kvcache.store.state import BlockMeta, BlockState, IntegrityError, transition
 
 POOL_TIERS = (Tier.HOT, Tier.WARM)
 _POOL_OF_STATE = {BlockState.HOT: Tier.HOT, BlockState.WARM: Tier.WARM}

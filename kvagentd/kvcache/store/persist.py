@@ -14,9 +14,9 @@ from collections.abc import Callable
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, ColdTier, Tier
-from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.state import BlockMeta, BlockState, transition
-from kvagentd.kvcache.table import POOL_TIERS, BlockTable
+from kvagentd.kvcache.store.pool import BlockPool
+from kvagentd.kvcache.store.state import BlockMeta, BlockState, transition
+from kvagentd.kvcache.store.table import POOL_TIERS, BlockTable
 
 log = structlog.get_logger(__name__)
 

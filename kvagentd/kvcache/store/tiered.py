@@ -45,15 +45,15 @@ import torch
 from kvagentd.kvcache import keys as keymod
 from kvagentd.kvcache.base import (BlockInfo, BlockKey, ColdTier, ColdTierFactory, KVGeometry,
                                    KVStore, MatchResult, Residency, Tier, VerifyProgress)
-from kvagentd.kvcache.coldlink import ColdLink
-from kvagentd.kvcache.mover import Mover
-from kvagentd.kvcache.persist import load_table, persist_blocks
+from kvagentd.kvcache.store.coldlink import ColdLink
+from kvagentd.kvcache.store.mover import Mover
+from kvagentd.kvcache.store.persist import load_table, persist_blocks
 from kvagentd.kvcache.placement.base import BlockStates
-from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.room import ROUNDS
-from kvagentd.kvcache.state import STATE_TIER, BlockMeta, BlockState
-from kvagentd.kvcache.table import BlockTable
-from kvagentd.kvcache.writebehind import WriteBehind, WriteBehindPolicy
+from kvagentd.kvcache.store.pool import BlockPool
+from kvagentd.kvcache.store.room import ROUNDS
+from kvagentd.kvcache.store.state import STATE_TIER, BlockMeta, BlockState
+from kvagentd.kvcache.store.table import BlockTable
+from kvagentd.kvcache.store.writebehind import WriteBehind, WriteBehindPolicy
 
 log = structlog.get_logger(__name__)
 

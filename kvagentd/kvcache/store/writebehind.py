@@ -29,10 +29,10 @@ from typing import Any, NamedTuple
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, ColdTier, Tier
-from kvagentd.kvcache.persist import SCAN_CHUNK, collect_refs
-from kvagentd.kvcache.pool import BlockPool
-from kvagentd.kvcache.state import BlockMeta, BlockState
-from kvagentd.kvcache.table import POOL_TIERS, BlockTable
+from kvagentd.kvcache.store.persist import SCAN_CHUNK, collect_refs
+from kvagentd.kvcache.store.pool import BlockPool
+from kvagentd.kvcache.store.state import BlockMeta, BlockState
+from kvagentd.kvcache.store.table import POOL_TIERS, BlockTable
 
 log = structlog.get_logger(__name__)
 
