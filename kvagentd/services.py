@@ -116,6 +116,8 @@ class BuildContext:
     job_record: Callable[[str], Any] | None = None
     """The daemon's count of a job's runs, skips and misses (`JobWatch.record`): the one count
     of skipped ticks that status, health and metrics show."""
+    cancelled: Callable[[], bool] = field(default=lambda: False)
+    """True once a stop was asked for: slow build steps (the model load) stop early."""
 
 
 class Tiers(NamedTuple):
@@ -276,7 +278,8 @@ def build_services(config: Config, ctx: BuildContext) -> Services:
     if config.agent.enabled and config.model.dtype == "auto":
         from kvagentd.agent.calibration import calibration_prompts
         calibration = calibration_prompts(config.agent)  # the precision check's prompts
-    model = load_model(config.model, Path(config.daemon.cache_dir), calibration)
+    model = load_model(config.model, Path(config.daemon.cache_dir), calibration,
+                       cancelled=ctx.cancelled)
     geometry = model_geometry(model.model, config.kv.block_tokens, model.dtype)
     namespace = make_namespace(model.fingerprint, model.dtype, config.kv.block_tokens)
     feed = AccessFeed()  # the store reports accesses to it, placement drains it

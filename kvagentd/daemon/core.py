@@ -142,6 +142,11 @@ class Daemon:
         try:
             self.startup()
         except Exception as exc:  # any startup failure: stop what started, exit non-zero
+            if self._stop_asked() and _qualname(exc) == "kvagentd.engine.model.LoadCancelled":
+                log.info("startup_interrupted", reason=self.requests.stop_reason,
+                         during="model load")
+                self.shutdown()
+                return EX_OK
             code = startup_exit_code(exc)
             if isinstance(exc, ConfigError | ControlSocketInUse | PermissionError):
                 log.error("startup_failed", error=str(exc), exit_code=code)
@@ -177,7 +182,8 @@ class Daemon:
         self.services = self._build(cfg, BuildContext(self.scheduler, self.metrics,
                                                       on_phase=self._on_build_phase,
                                                       health=self.health,
-                                                      job_record=self.jobs.record))
+                                                      job_record=self.jobs.record,
+                                                      cancelled=self._stop_asked))
         for name, service in self.services.in_order():
             if self.requests.stop_reason is not None:
                 log.info("startup_interrupted", reason=self.requests.stop_reason, before=name)
@@ -201,6 +207,9 @@ class Daemon:
         if self.config.metrics.listen:
             self.metrics_listener, self.metrics_error = start_listener(
                 self.config.metrics.listen, self.metrics)
+
+    def _stop_asked(self) -> bool:
+        return self.requests.stop_reason is not None
 
     def _on_build_phase(self, text: str) -> None:
         self.notifier.extend_timeout(SERVICE_START_ALLOWANCE_S)
@@ -436,3 +445,8 @@ class Daemon:
 def _ensure_dir(path: Path) -> None:
     if not path.exists():
         path.mkdir(parents=True, mode=0o750)
+
+
+def _qualname(exc: BaseException) -> str:
+    """NOTE: by name, so that the daemon does not import the engine (torch) to recognise it."""
+    return f"{type(exc).__module__}.{type(exc).__qualname__}"

@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,11 +105,13 @@ def model_geometry(model: Any, block_tokens: int, dtype: torch.dtype) -> KVGeome
     return KVGeometry.from_model_config(config, block_tokens, dtype)
 
 
-def load_model(cfg: ModelConfig, cache_dir: Path,
-               calibration: Sequence[Calibration] = ()) -> LoadedModel:
+def load_model(cfg: ModelConfig, cache_dir: Path, calibration: Sequence[Calibration] = (),
+               cancelled: Callable[[], bool] = lambda: False) -> LoadedModel:
     """Load the model `cfg` names, converting a GGUF into `cache_dir` on first use.
     `calibration`: the caller's own prompts, on which `dtype = "auto"` checks bf16 against
-    fp32 on a CPU with native bf16 (`precision.py`)."""
+    fp32 on a CPU with native bf16 (`precision.py`). `cancelled` is asked between the slow
+    steps (and between calibration prompts): True raises `LoadCancelled`, so a stop asked
+    for during a start of a minute is not kept waiting for it."""
     if cfg.source == "none":
         raise ValueError("model.source = 'none': no model to load")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,12 +142,14 @@ def load_model(cfg: ModelConfig, cache_dir: Path,
                                 f"(no config.json); models are never downloaded; {INSTALL_HINT} "
                                 f"and use model.source = 'embedded'")
     fp = fingerprint(hf_dir)
+    _check(cancelled)
     if choice is None:  # auto on a CPU with native bf16: measured once, then remembered
         path = verdict_path(Path(cache_dir), fp, calibration, flags)
         choice = load_verdict(path)
         if choice is None:
             log.info("precision_check_start", prompts=len(calibration))
-            choice = in_pool(lambda: _measure_bf16(hf_dir, device, calibration), threads)
+            choice = in_pool(lambda: _measure_bf16(hf_dir, device, calibration, cancelled),
+                             threads)
             save_verdict(path, choice)
             log.info("precision_checked", dtype=str(choice.dtype), reason=choice.reason,
                      max_logit_error=choice.max_logit_error)
@@ -153,6 +157,7 @@ def load_model(cfg: ModelConfig, cache_dir: Path,
     if cfg.quantize == "int8" and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"model.quantize = 'int8' runs on the CPU with float32 activations; "
                          f"this model would load as {str(dtype)[6:]} on {device.type}")
+    _check(cancelled)
     # NOTE: in a thread of its own, so the caller never starts an OpenMP team (threads.py)
     model, tokenizer = in_pool(lambda: load_hf_dir(hf_dir, dtype, device), threads)
     if cfg.quantize == "int8":
@@ -165,15 +170,24 @@ def load_model(cfg: ModelConfig, cache_dir: Path,
                        choice)
 
 
-def _measure_bf16(hf_dir: Path, device: torch.device, prompts: Sequence[Calibration]
-                  ) -> DtypeChoice:
+class LoadCancelled(Exception):
+    """The model load was asked to stop (the daemon got a stop signal while starting)."""
+
+
+def _check(cancelled: Callable[[], bool]) -> None:
+    if cancelled():
+        raise LoadCancelled("model load cancelled: a stop was asked for")
+
+
+def _measure_bf16(hf_dir: Path, device: torch.device, prompts: Sequence[Calibration],
+                  cancelled: Callable[[], bool] = lambda: False) -> DtypeChoice:
     """bf16 against fp32 on `prompts` (`precision.compare`)."""
     if not prompts:
         return compare(([], []), ([], []))
     model, tokenizer = load_hf_dir(hf_dir, torch.float32, device)
-    fp32 = greedy_answers(model, tokenizer, prompts)
+    fp32 = greedy_answers(model, tokenizer, prompts, lambda: _check(cancelled))
     model.to(torch.bfloat16)
-    bf16 = greedy_answers(model, tokenizer, prompts)
+    bf16 = greedy_answers(model, tokenizer, prompts, lambda: _check(cancelled))
     return compare(fp32, bf16)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,17 +104,20 @@ class _Row:
 
 
 @torch.no_grad()
-def greedy_answers(model: Any, tokenizer: Any, prompts: Sequence[Calibration]
+def greedy_answers(model: Any, tokenizer: Any, prompts: Sequence[Calibration],
+                   before_each: Callable[[], None] = lambda: None
                    ) -> tuple[list[str], list[torch.Tensor]]:
     """Each prompt's greedy answer under its constraints (as the engine decodes it: opening,
     masks, guard, one sentence, stop ids) and its first-token logits, one prompt at a time
-    through transformers' DynamicCache."""
+    through transformers' DynamicCache. `before_each` runs before each prompt (it may raise
+    to stop the run)."""
     from transformers import DynamicCache
 
     chat = ChatFormat(tokenizer)
     texts: list[str] = []
     firsts: list[torch.Tensor] = []
     for p in prompts:
+        before_each()
         rules = Rules(p.constraints, tokenizer) if p.constraints else None
         opening = rules.opening_ids if rules else []
         row = _Row(rules, opening)

@@ -282,3 +282,57 @@ def test_host_arenas_that_do_not_fit_in_memory_are_a_config_error(tmp: Path) -> 
     check_host_memory(cfg, torch.device("cuda"), available=8 << 30)
     with pytest.raises(ConfigError, match=r"kv\.warm_ratio"):
         check_host_memory(cfg, torch.device("cuda"), available=4 << 30)
+
+
+def test_a_stop_during_a_slow_model_load_ends_the_start(tmp: Path) -> None:
+    """A stop signal while the model loads (a bf16 check takes about a minute on 2 cores)
+    is answered at the load's next step, exit 0, not after the whole start."""
+    import threading
+    import time
+
+    from kvagentd.engine.model import LoadCancelled
+
+    asked = threading.Event()
+
+    def slow_build(cfg: Any, ctx: Any) -> Services:
+        asked.set()
+        for _ in range(600):  # a load that asks between its steps, as load_model does
+            if ctx.cancelled():
+                raise LoadCancelled("model load cancelled: a stop was asked for")
+            time.sleep(0.05)
+        raise AssertionError("the build was never told to stop")
+
+    d = _daemon(tmp)
+    d._build = slow_build  # type: ignore[method-assign]
+    threading.Thread(target=lambda: (asked.wait(30), d.requests.stop("SIGTERM")),
+                     daemon=True).start()
+    t0 = time.monotonic()
+    assert d.run() == 0
+    assert time.monotonic() - t0 < 10
+    assert d.phase == "stopped"
+
+
+def test_load_model_and_the_precision_check_stop_when_cancelled(tmp: Path) -> None:
+    from kvagentd.config import ModelConfig
+    from kvagentd.engine.model import LoadCancelled, load_model
+    from kvagentd.engine.precision import Calibration, greedy_answers
+    from kvagentd.engine.tiny import tiny_model_dir
+
+    root = Path(__file__).resolve().parents[2]
+    model_dir = tiny_model_dir(root / "var" / "test-cache")
+    cfg = ModelConfig(source="hf_dir", path=model_dir, device="cpu", dtype="float32", threads=1)
+    with pytest.raises(LoadCancelled):
+        load_model(cfg, tmp, cancelled=lambda: True)
+    lm = load_model(cfg, tmp)
+    seen: list[int] = []
+
+    def before() -> None:
+        seen.append(1)
+        if len(seen) == 2:
+            raise LoadCancelled("stop")
+
+    prompts = [Calibration(system="s", text=f"q{i}", constraints=None, max_new_tokens=2)
+               for i in range(3)]
+    with pytest.raises(LoadCancelled):
+        greedy_answers(lm.model, lm.tokenizer, prompts, before)
+    assert len(seen) == 2  # the second prompt never ran
