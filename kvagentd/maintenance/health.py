@@ -359,6 +359,10 @@ class HealthMonitor:
         evicted = 0
         below = m.free_space_floor_bytes - free if free is not None else 0
         wanted = int(self.space_wanted()) if self.space_wanted is not None else 0
+        if self.store is not None:  # copies wait while the disk is short of room
+            self.store.pause_write_behind(
+                f"cold disk free {free} B below floor {m.free_space_floor_bytes} B"
+                if below > 0 else None)
         if below > 0 or wanted > 0:
             evicted = self.evict_for(max(below, wanted))
             reclaimed = 0
@@ -385,11 +389,18 @@ class HealthMonitor:
             return None
 
     def evict_for(self, deficit: int) -> int:
-        """Evict cold blocks, TTL-expired first then least recently used, until `deficit`
-        bytes are freed; pinned and in-use blocks are kept. Returns the number evicted."""
+        """Free `deficit` bytes of the cold disk, cheapest first: the cold copies of blocks
+        resident in hot or warm (nothing is lost), then cold-only blocks, TTL-expired first
+        then least recently used; pinned and in-use blocks are kept. Returns the records
+        dropped and blocks evicted."""
         if self.store is None or deficit <= 0:
             return 0
         from kvagentd.kvcache.base import Tier
+
+        copies, freed = self.store.drop_cold_copies(deficit)
+        deficit -= freed
+        if deficit <= 0:
+            return copies
 
         now = self.clock()
         ttl = self.cfg.kv.cold_ttl_s
@@ -405,7 +416,7 @@ class HealthMonitor:
         n = self.store.evict(chosen) if chosen else 0
         if n:
             log.warning("cold_evicted_for_space", blocks=n, bytes=total, deficit=deficit)
-        return n
+        return copies + n
 
     def status(self) -> dict[str, Any]:
         return asdict(self.last) if self.last is not None else {"state": "not checked yet"}

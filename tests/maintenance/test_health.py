@@ -135,12 +135,21 @@ class FakeCold:
 
 
 class FakeStore:
+    """Cold-only blocks (no resident block has a cold copy to give up)."""
+
     def __init__(self, rows):
         self.rows = rows
         self.evicted = []
+        self.paused = None
 
     def snapshot(self):
         return list(self.rows)
+
+    def drop_cold_copies(self, deficit):
+        return 0, 0
+
+    def pause_write_behind(self, reason):
+        self.paused = reason
 
     def evict(self, keys):
         self.evicted += list(keys)

@@ -409,8 +409,8 @@ class ColdIndex:
     def close(self) -> None:
         """Flush, seal and checkpoint; a failing disk is logged, never raised."""
         with self.lock:
-            self.flush_touches()
-            try:  # the next open re-seals anyway
+            try:  # the next open re-seals anyway; a full disk must not stop the close
+                self.flush_touches()
                 if self.unwritable is None:
                     self.db.execute("UPDATE segments SET state='sealed' WHERE state='active'")
                     self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")

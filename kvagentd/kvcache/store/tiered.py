@@ -309,6 +309,40 @@ class TieredKVStore(KVStore):
             self._cold.delete(drop_cold)
         return n
 
+    def drop_cold_copies(self, deficit: int) -> tuple[int, int]:
+        """Free cold-tier space without losing a block: delete the cold records of blocks that
+        are resident in hot or warm (copies written ahead by write-behind or left by a
+        promotion), most recently used first (the least likely to be demoted soon, when the
+        copy would save a write), until `deficit` bytes. The blocks stay; write-behind or a
+        demotion writes them again later. Returns (records, bytes)."""
+        if self._cold is None or deficit <= 0:
+            return 0, 0
+        bb = self.geometry.block_bytes  # a raw record is this plus its header (at least)
+        with self._cond:
+            resident = [m for m in self._t.meta.values()
+                        if m.in_cold and m.tier is not None and m.tier is not Tier.COLD
+                        and m.state is not BlockState.MIGRATING]
+            resident.sort(key=lambda m: m.last_access, reverse=True)
+            keys: list[BlockKey] = []
+            for m in resident:
+                if len(keys) * bb >= deficit:
+                    break
+                if self._t.drop_cold_copy(m):
+                    keys.append(m.key)
+            self.counters["cold_copies_dropped"] += len(keys)
+        if keys:
+            self._cold.evict(keys)
+            log.warning("store_cold_copies_dropped_for_space", records=len(keys),
+                        bytes=len(keys) * bb, deficit=deficit)
+        return len(keys), len(keys) * bb
+
+    def pause_write_behind(self, reason: str | None) -> None:
+        """Stop (a reason) or resume (None) write-behind's writes: below the cold disk's free
+        space floor, copies of resident blocks would take the room that blocks living only in
+        the cold tier need. Demotions still write."""
+        if self._wb is not None:
+            self._wb.pause(reason)
+
     def expire_cold(self, now: float | None = None) -> int:
         """Forget cold-only blocks whose TTL has run out (refreshed by cold reads) and that
         nobody used in the store for a TTL either; never a pinned or in-use block. Records no

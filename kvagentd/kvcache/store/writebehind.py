@@ -15,7 +15,8 @@ version. Nothing here raises into the store: a failed round is logged and counte
 
 Rounds write nothing while the cold tier takes no records (read-only) or is not durable (the
 RAM shadow serves while the SSD fails: copies there would not survive a power cut, and would
-push out of the size-capped shadow records that exist nowhere else).
+push out of the size-capped shadow records that exist nowhere else), nor while paused (the
+cold disk below its free space floor: `pause`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,16 @@ class WriteBehind:
         self.last: RoundResult | None = None
         self.last_at: float | None = None
         self._refs_saved: dict[str, tuple[BlockKey, ...]] | None = None
+        self.paused: str | None = None  # why rounds write no blocks now (None: they do)
+
+    def pause(self, reason: str | None) -> None:
+        """Rounds write no blocks while `reason` is set (the cold disk below its floor)."""
+        if reason != self.paused and (reason is None) != (self.paused is None):
+            if reason is None:
+                log.info("write_behind_resumed")
+            else:
+                log.warning("write_behind_paused", reason=reason)
+        self.paused = reason
 
     # -- the thread ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -113,7 +124,7 @@ class WriteBehind:
         with self._lock:
             t0 = time.monotonic()
             written = nbytes = moved = refused = 0
-            if self.cold.durable and not self.cold.read_only:
+            if self.cold.durable and not self.cold.read_only and self.paused is None:
                 todo = self._unsaved()
                 step = max(1, self.policy.batch_blocks)
                 for i in range(0, len(todo), step):
@@ -193,7 +204,8 @@ class WriteBehind:
     # -- views ---------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         last = self.last
-        return {"enabled": self.policy.enabled, "interval_s": self.policy.interval_s,
+        return {"enabled": self.policy.enabled, "paused": self.paused,
+                "interval_s": self.policy.interval_s,
                 "rate_bytes_per_s": self.policy.rate_bytes_per_s, "rounds": self.rounds,
                 "errors": self.errors, "written_blocks": self.written_blocks,
                 "written_bytes": self.written_bytes, "refused_blocks": self.refused,
