@@ -28,8 +28,6 @@ from kvagentd.control.errors import BadRequest, Busy, NotFound, NotReady, Storag
 from kvagentd.control.router import Request, Router
 
 if TYPE_CHECKING:
-    from apscheduler.schedulers.base import BaseScheduler
-
     from kvagentd.agent.agent import Agent
 
 _AGE_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -57,9 +55,6 @@ def register(router: Router, deps: ControlDeps) -> None:
 
     def agent() -> Agent:
         return require_service(deps.services.agent, "the agent is not running")
-
-    def scheduler() -> BaseScheduler:
-        return require_service(deps.scheduler, "the scheduler is not running")
 
     @router.route("GET", "/v1/events", change=False)
     def events(req: Request) -> dict[str, Any]:
@@ -137,7 +132,7 @@ def register(router: Router, deps: ControlDeps) -> None:
 
     @router.route("GET", "/v1/jobs", change=False)
     def list_jobs(req: Request) -> dict[str, Any]:
-        return {"jobs": jobs.list_jobs(scheduler())}
+        return {"jobs": jobs.list_jobs(deps.scheduler)}
 
     @router.route("POST", "/v1/jobs/{id}/{action}", change=True)
     def job_action(req: Request) -> dict[str, Any]:
@@ -146,6 +141,6 @@ def register(router: Router, deps: ControlDeps) -> None:
         if fn is None:
             raise NotFound(f"no job action {action!r} (run, pause, resume)")
         try:
-            return {"job": fn(scheduler(), req.params["id"]), "action": action}
+            return {"job": fn(deps.scheduler, req.params["id"]), "action": action}
         except jobs.UnknownJob:
             raise NotFound(f"no job {req.params['id']!r}") from None
