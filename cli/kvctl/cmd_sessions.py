@@ -52,11 +52,19 @@ def ask(ctx: typer.Context,
         max_tokens: Annotated[int | None, typer.Option(
             "--max-tokens", "-n", min=1, help="answer length limit [default: the daemon's]")
         ] = None,
+        new: Annotated[bool, typer.Option(
+            "--new", help="start SESSION when it does not exist (without it a --session that "
+                          "names no session is refused, so a typo starts nothing)")] = False,
         socket: SocketOpt = None, json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
     """Ask a question in a session of yours; prints the answer as it is generated. With
     --asset the asset's measured diagnosis comes first and the answer is checked against it."""
     o = opts(ctx, socket, json_out, timeout if timeout is not None else ASK_TIMEOUT_S)
     sid = session or default_session()
+    if session is not None and not new and asset is None:
+        found = call(o, "GET", f"/v1/sessions/{sid}", ok=(404,))
+        if isinstance(found, dict) and (found.get("error") or {}).get("kind") == "not_found":
+            fail(o, EX_FAILURE, "not_found", f"no session {sid!r}",
+                 "kvctl sessions lists them; --new starts a session of that name")
     body: dict[str, Any] = {"question": question}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
@@ -128,15 +136,36 @@ def sessions_show(ctx: typer.Context,
                   session: Annotated[str, typer.Argument(help="session id")],
                   transcript: Annotated[bool, typer.Option(
                       "--transcript", help="the whole conversation")] = False,
+                  raw: Annotated[bool, typer.Option(
+                      "--raw", help="the text with the chat template's markers")] = False,
                   socket: SocketOpt = None, json_out: JsonOpt = False,
                   timeout: TimeoutOpt = None) -> None:
-    """One session (owner, tokens, blocks), with the end of its conversation."""
+    """One session (owner, tokens, blocks), with the end of its conversation as turns
+    (--raw: the text as the model sees it, template markers included)."""
     o = opts(ctx, socket, json_out, timeout)
     if transcript:
         render.emit(o, call(o, "GET", f"/v1/sessions/{session}/transcript"),
-                    lambda d: str(d.get("text", "")))
+                    lambda d: _conversation(d.get("conversation"), str(d.get("text", "")), raw))
         return
-    render.emit(o, call(o, "GET", f"/v1/sessions/{session}"))
+    render.emit(o, call(o, "GET", f"/v1/sessions/{session}"), lambda d: _show(d, raw))
+
+
+def _show(d: dict[str, Any], raw: bool) -> str:
+    turns, tail = d.get("last_turns"), d.get("tail")
+    rest = {k: v for k, v in d.items() if k not in ("last_turns", "tail")}
+    head = render.kv(rest)
+    if tail is None and turns is None:
+        return head
+    return head + "\n\n" + _conversation(turns, str(tail or ""), raw)
+
+
+def _conversation(turns: Any, text: str, raw: bool) -> str:
+    """Turns as `role: text` paragraphs; the raw text with --raw or when the daemon could
+    not read the template's turns."""
+    if raw or not isinstance(turns, list):
+        return text
+    return "\n\n".join(f"{t.get('role', '?')}: {str(t.get('text', '')).strip()}"
+                        for t in turns if isinstance(t, dict))
 
 
 def sessions_drop(ctx: typer.Context,

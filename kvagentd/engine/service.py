@@ -40,15 +40,19 @@ from kvagentd.kvcache.base import KVStore, Tier
 log = structlog.get_logger(__name__)
 
 
+LAST_TURNS = 6  # turns `get` shows of a session (the transcript has them all)
+
+
 class SessionView:
     """Sessions as the control API and the agent see them (ids, tokens, blocks per tier)."""
 
     def __init__(self, table: SessionStore, store: KVStore, executor: Executor,
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, chat: ChatFormat | None = None) -> None:
         self.table = table
         self.store = store
         self.executor = executor
         self.tokenizer = tokenizer
+        self.chat = chat
 
     def list(self) -> list[dict[str, Any]]:
         tiers = self._tiers()
@@ -61,7 +65,18 @@ class SessionView:
         out = self._describe(s, self._tiers())
         text = self.tokenizer.decode(s.token_ids[-512:], skip_special_tokens=False)
         out["tail"] = text[-tail_chars:]
+        turns = self.conversation(session_id)
+        if turns is not None:
+            out["last_turns"] = turns[-LAST_TURNS:]
         return out
+
+    def conversation(self, session_id: str) -> builtins.list[dict[str, str]] | None:
+        """The session's turns as `[{"role", "text"}]` (the template's markers read, not
+        shown), or None when unknown or the template's markers cannot be read."""
+        text = self.text(session_id)
+        if text is None or self.chat is None:
+            return None
+        return self.chat.turns(text)
 
     def tokens(self, session_id: str) -> int:
         s = self.table.get(session_id)
@@ -169,7 +184,8 @@ class Engine:
         self.executor = Executor(self.runner, self.blocks, self.table, self.chat,
                                  loaded.tokenizer, cfg, metrics=self.metrics,
                                  threads=loaded.threads)
-        self.sessions = SessionView(self.table, store, self.executor, loaded.tokenizer)
+        self.sessions = SessionView(self.table, store, self.executor, loaded.tokenizer,
+                                    self.chat)
         self.started_at: float | None = None
         self.warm_workspace_tokens = cfg.warm_workspace_tokens
 

@@ -269,6 +269,50 @@ class ChatFormat:
             return list(prompt[:len(prompt) - len(h)])
         return list(prompt)
 
+    def turns(self, text: str) -> list[dict[str, str]] | None:
+        """A session's decoded text as its turns, `[{"role", "text"}]` (an answer still open
+        at the end included), read with the markers the template writes around each role's
+        content; None when the template's markers cannot be learned (show the raw text)."""
+        marks = self._markers()
+        if marks is None:
+            return None
+        starts, end = marks
+        out: list[dict[str, str]] = []
+        at = 0
+        while True:
+            found = [(text.find(b, at), role, b) for role, b in starts.items() if b]
+            found = [f for f in found if f[0] >= 0]
+            if not found:
+                break
+            i, role, b = min(found)
+            body_at = i + len(b)
+            j = text.find(end, body_at)
+            out.append({"role": role, "text": text[body_at: j if j >= 0 else len(text)]})
+            if j < 0:
+                break
+            at = j + len(end)
+        return out
+
+    def _markers(self) -> tuple[dict[str, str], str] | None:
+        """(text before each role's content, text after any content), learned by rendering
+        one turn per role with marks in place of the contents."""
+        m1, m2, m3 = (f"{self._MARK}{i}{self._MARK}" for i in (1, 2, 3))
+        try:
+            full = self._render([{"role": "system", "content": m1},
+                                 {"role": "user", "content": m2},
+                                 {"role": "assistant", "content": m3}], False)
+        except Exception:  # noqa: BLE001 - a template that refuses: no turns, the raw text
+            return None
+        if not all(m in full for m in (m1, m2, m3)):
+            return None
+        p0, rest = full.split(m1)
+        p1, rest = rest.split(m2)
+        p2, p3 = rest.split(m3)
+        end = p3
+        if not end or not p1.startswith(end) or not p2.startswith(end):
+            return None
+        return {"system": p0, "user": p1[len(end):], "assistant": p2[len(end):]}, end
+
     def _render(self, messages: list[dict[str, str]], gen_prompt: bool) -> str:
         return str(self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=gen_prompt))

@@ -111,10 +111,28 @@ def test_kvctl_ask_and_sessions(srv: Server, capsys: pytest.CaptureFixture[str])
     if not any(c.name == "ask" for c in app.registered_commands):
         cmd_sessions.register(app)
     sock = str(srv.path)
-    assert main(["--socket", sock, "ask", "--session", "op-2", "Vibration?",
+    # a --session that names no session is refused (a typo starts nothing), unless --new
+    assert main(["--socket", sock, "ask", "--session", "op-2", "Vibration?"]) == 1
+    err = capsys.readouterr().err
+    assert "no session 'op-2'" in err and "--new" in err
+    assert main(["--socket", sock, "ask", "--session", "op-2", "--new", "Vibration?",
                  "--max-tokens", "5"]) == 0
     out = capsys.readouterr()
     assert out.out.strip() and "5 tokens" in out.err
+    assert main(["--socket", sock, "ask", "--session", "op-2", "Again?",
+                 "--max-tokens", "3"]) == 0  # it exists now
+    capsys.readouterr()
+    # turns as text, the template's markers only with --raw
+    assert main(["--socket", sock, "sessions", "show", "op-2"]) == 0
+    shown = capsys.readouterr().out
+    assert "user: Vibration?" in shown and "user: Again?" in shown and "assistant: " in shown
+    assert "<|im_start|>" not in shown
+    assert main(["--socket", sock, "sessions", "show", "op-2", "--transcript"]) == 0
+    whole = capsys.readouterr().out
+    assert whole.index("user: Vibration?") < whole.index("user: Again?")
+    assert "<|im_start|>" not in whole
+    assert main(["--socket", sock, "sessions", "show", "op-2", "--transcript", "--raw"]) == 0
+    assert "<|im_start|>user\nVibration?" in capsys.readouterr().out
     assert main(["--socket", sock, "sessions"]) == 0
     table = capsys.readouterr().out
     assert "op-2" in table and "SESSION" in table

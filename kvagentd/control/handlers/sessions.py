@@ -143,6 +143,7 @@ def register(router: Router, deps: ControlDeps) -> None:
         info = describe(info)
         if not rules.may_read_text(req.peer, req.operator, sid, info["owner_uid"]):
             info.pop("tail", None)
+            info.pop("last_turns", None)
             info["tail_hidden"] = "the text of a user's session is for its owner and operators"
         return info
 
@@ -157,7 +158,8 @@ def register(router: Router, deps: ControlDeps) -> None:
             raise Forbidden(f"session {sid!r} belongs to {name_of_uid(record.owner or 0)}; its "
                             "text is for its owner and operators", kind="not_owner")
         return describe({"id": sid, "owner_uid": record.owner, "tokens": len(record.token_ids),
-                         "turns": record.turns, "text": eng.sessions.text(sid)})
+                         "turns": record.turns, "text": eng.sessions.text(sid),
+                         "conversation": eng.sessions.conversation(sid)})
 
     def drop(req: Request) -> dict[str, Any]:
         from kvagentd.engine.executor import SessionBusy
