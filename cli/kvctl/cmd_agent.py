@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any
 
@@ -21,7 +22,11 @@ def register(app: typer.Typer) -> None:
     run_app.command("replay")(report_run_replay)
     report_app.add_typer(run_app, name="run")
     app.add_typer(report_app, name="report")
-    app.command("events")(events)
+    events_app = typer.Typer(help="Event-log rows (ticks and bad data), newest first.",
+                             invoke_without_command=True)
+    events_app.callback()(events)
+    events_app.command("show")(event_show)
+    app.add_typer(events_app, name="events")
     jobs_app = typer.Typer(help="Scheduled jobs (ticks, reports, maintenance).",
                            no_args_is_help=True)
     jobs_app.command("list")(jobs_list)
@@ -100,15 +105,26 @@ def _run(o, body: dict[str, Any], wait: bool) -> None:
     _exit_for_state(doc)
 
 
+FOLLOW_EVERY_S = 1.0  # how often --follow asks for new rows
+
+
 def events(ctx: typer.Context,
            asset: Annotated[str | None, typer.Option("--asset", "-a")] = None,
            since: Annotated[str | None, typer.Option(
                "--since", help="unix seconds or an age: 90s, 15m, 2h, 7d")] = None,
            anomalies: Annotated[bool, typer.Option("--anomalies", help="only anomalies")] = False,
+           kind: Annotated[str | None, typer.Option(
+               "--kind", help="tick or bad_data")] = None,
+           follow: Annotated[bool, typer.Option(
+               "--follow", "-f", help="then print new rows as they are written (Ctrl-C ends)")
+           ] = False,
            limit: Annotated[int, typer.Option("--limit", "-n", min=1)] = 50,
            socket: SocketOpt = None, json_out: JsonOpt = False,
            timeout: TimeoutOpt = None) -> None:
-    """Event-log rows (ticks and bad data), newest first."""
+    """Event-log rows (ticks and bad data), newest first; with --follow, oldest first and
+    then each new row as it comes (--json: one object per line)."""
+    if ctx.invoked_subcommand is not None:
+        return
     o = opts(ctx, socket, json_out, timeout)
     params: dict[str, Any] = {"limit": limit}
     if asset:
@@ -117,7 +133,47 @@ def events(ctx: typer.Context,
         params["since"] = since
     if anomalies:
         params["anomalies"] = "true"
-    render.emit(o, call(o, "GET", "/v1/events", params=params), _render_events)
+    if kind:
+        params["kind"] = kind
+    first = call(o, "GET", "/v1/events", params=params)
+    if not follow:
+        render.emit(o, first, _render_events)
+        return
+    rows = list(reversed(first["events"]))
+    last = max((int(e["id"]) for e in rows), default=0)
+    _print_rows(o, rows, header=True)
+    params.pop("since", None)
+    try:
+        while True:
+            time.sleep(FOLLOW_EVERY_S)
+            new = call(o, "GET", "/v1/events", params={**params, "after": last})["events"]
+            if new:
+                last = max(int(e["id"]) for e in new)
+                _print_rows(o, new, header=False)
+    except KeyboardInterrupt:
+        return
+
+
+def _print_rows(o: Any, rows: list[dict[str, Any]], *, header: bool) -> None:
+    if o.json:
+        for e in rows:
+            typer.echo(json.dumps(e, sort_keys=True, default=str))
+        return
+    if not rows:
+        return
+    text = _render_events({"events": rows})
+    lines = text.splitlines()
+    typer.echo("\n".join(lines if header else lines[1:]))
+
+
+def event_show(ctx: typer.Context,
+               event_id: Annotated[int, typer.Argument(metavar="ID", min=1)],
+               socket: SocketOpt = None, json_out: JsonOpt = False,
+               timeout: TimeoutOpt = None) -> None:
+    """One event-log row whole: features, diagnosis, the commentary and why it was shown or
+    withheld."""
+    o = opts(ctx, socket, json_out, timeout)
+    render.emit(o, call(o, "GET", f"/v1/events/{event_id}"), lambda r: render.kv(r["event"]))
 
 
 def jobs_list(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
@@ -158,6 +214,11 @@ def _when(t: Any) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
 
 
+def _cut(text: str, n: int) -> str:
+    """`text` up to `n` characters, an ellipsis where it was cut (`events show ID` has all)."""
+    return text if len(text) <= n else text[:n - 1] + "\u2026"
+
+
 def _render_events(r: dict[str, Any]) -> str:
     rows = []
     for e in r["events"]:
@@ -175,8 +236,8 @@ def _render_events(r: dict[str, Any]) -> str:
             "fault": ("bad data" if e["kind"] == "bad_data" else
                       f"{fault} ({e.get('severity')})" if fault and fault != "none" else
                       (fault or "")),
-            "text": ("model: " + e["assessment"] if e.get("assessment") else
-                     e.get("note") or "")[:70],
+            "text": _cut(("model: " + e["assessment"] if e.get("assessment") else
+                          e.get("note") or ""), 70),
         })
     return render.table(rows, [("id", "id"), ("time", "time"), ("asset", "asset"),
                                ("zone", "zone"), ("rms", "rms mm/s"), ("kurt", "kurt"),

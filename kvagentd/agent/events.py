@@ -156,9 +156,13 @@ class EventLog:
 
     def query(self, *, asset: str | None = None, since: float | None = None,
               until: float | None = None, anomalies: bool = False, kind: str | None = None,
-              limit: int = 1000, newest_first: bool = True) -> list[dict[str, Any]]:
+              limit: int = 1000, newest_first: bool = True,
+              after_id: int | None = None) -> list[dict[str, Any]]:
         where: list[str] = []
         args: list[Any] = []
+        if after_id is not None:  # rows written since the one a follower saw last
+            where.append("id > ?")
+            args.append(int(after_id))
         if asset:
             where.append("asset = ?")
             args.append(asset)

@@ -177,3 +177,36 @@ def test_a_report_that_cannot_be_written_is_507_naming_the_path(served, capsys, 
     assert str(path) in r.json()["error"]["message"]
     code, out = kvctl(sock, "report", "run", "weekly", "--asset", "pump-1", capsys=capsys)
     assert code != 0
+
+
+def test_events_show_kind_and_follow(served, capsys, monkeypatch, clock):
+    ag, sock = served
+    code, out = kvctl(sock, "--json", "events", "--kind", "tick", capsys=capsys)
+    rows = json.loads(out)["events"]
+    assert code == 0 and len(rows) == 5 and all(e["kind"] == "tick" for e in rows)
+    assert kvctl(sock, "events", "--kind", "nope", capsys=capsys)[0] == 64
+    # one row whole, nothing cut
+    code, out = kvctl(sock, "--json", "events", "show", str(rows[0]["id"]), capsys=capsys)
+    assert code == 0 and json.loads(out)["event"] == rows[0]
+    code, out = kvctl(sock, "events", "show", str(rows[0]["id"]), capsys=capsys)
+    assert code == 0 and "diagnosis:" in out and "features:" in out
+    assert kvctl(sock, "events", "show", "999999", capsys=capsys)[0] == 1
+    # --follow: the rows so far oldest first, then each new one as it is written
+    from kvctl import cmd_agent
+
+    naps = []
+
+    def nap(_s: float) -> None:
+        naps.append(1)
+        if len(naps) == 1:
+            ag.tick_once("pump-1")
+            clock.advance(3)
+            return
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cmd_agent.time, "sleep", nap)
+    code, out = kvctl(sock, "--json", "events", "--follow", "--asset", "pump-1", capsys=capsys)
+    lines = [json.loads(x) for x in out.splitlines()]
+    ids = [e["id"] for e in lines]
+    assert code == 0 and len(ids) == 6 and ids == sorted(ids)
+    assert ids[:5] == sorted(e["id"] for e in rows)

@@ -49,6 +49,9 @@ def parse_since(text: str | None, now: float) -> float | None:
             from None
 
 
+EVENT_KINDS = ("tick", "bad_data")  # the kinds the agent writes (agent/events.py)
+
+
 def register(router: Router, deps: ControlDeps) -> None:
     from kvagentd.scheduling import jobs
     from kvagentd.agent.reports import ReportError
@@ -62,10 +65,27 @@ def register(router: Router, deps: ControlDeps) -> None:
         asset = req.query.get("asset") or None
         if asset is not None and asset not in a.assets:
             raise NotFound(f"unknown asset {asset!r}; known: {', '.join(a.assets)}")
+        kind = req.query.get("kind") or None
+        if kind is not None and kind not in EVENT_KINDS:
+            raise BadRequest(f"'kind' must be one of {', '.join(EVENT_KINDS)}, got {kind!r}")
+        after = req.query.get("after")
         rows = a.events.query(asset=asset, since=parse_since(req.query.get("since"), a.clock()),
-                              anomalies=req.query_bool("anomalies"),
+                              anomalies=req.query_bool("anomalies"), kind=kind,
+                              after_id=req.query_int("after", 0, lo=0, hi=2**62)
+                              if after is not None else None,
+                              newest_first=after is None,
                               limit=req.query_int("limit", 100, lo=1, hi=100_000))
         return {"events": rows, "count": len(rows)}
+
+    @router.route("GET", "/v1/events/{id}", change=False)
+    def event(req: Request) -> dict[str, Any]:
+        raw = req.params["id"]
+        if not re.fullmatch(r"[0-9]{1,18}", raw):
+            raise BadRequest(f"an event id is a number, got {raw!r}")
+        row = agent().events.get(int(raw))
+        if row is None:
+            raise NotFound(f"no event {raw}")
+        return {"event": row}
 
     @router.route("GET", "/v1/reports", change=False)
     def reports(req: Request) -> dict[str, Any]:
