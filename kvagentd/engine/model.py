@@ -257,8 +257,17 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         {"gguf": str(gguf), "size": gguf.stat().st_size, "version": _CONVERSION_VERSION}))
 
 
+# config.json keys that do not change what the model computes (the KV dtype is part of the
+# namespace on its own): an upgrade of transformers that rewrites them reuses the KV
+_CONFIG_NOT_KV = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype",
+                            "use_cache", "output_attentions", "output_hidden_states"})
+
+
 def fingerprint(hf_dir: Path) -> str:
-    """xxh3-128 over the weight files and the tokenizer files of `hf_dir` (names and bytes)."""
+    """xxh3-128 over the weight files, the tokenizer files and the model's configuration of
+    `hf_dir`: everything that shapes the KV (a changed `rope_theta`, head layout or sliding
+    window makes stored blocks unreachable, never reused). config.json enters canonically
+    (sorted keys, without `_CONFIG_NOT_KV`), so reformatting it changes nothing."""
     h = xxhash.xxh3_128()
     files = sorted(p for p in hf_dir.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
     files += [hf_dir / n for n in _TOKENIZER_FILES if (hf_dir / n).is_file()]
@@ -267,6 +276,12 @@ def fingerprint(hf_dir: Path) -> str:
         with open(p, "rb") as f:
             while chunk := f.read(8 << 20):
                 h.update(chunk)
+    config = hf_dir / "config.json"
+    if config.is_file():
+        doc = json.loads(config.read_text(encoding="utf-8"))
+        kept = {k: v for k, v in doc.items() if k not in _CONFIG_NOT_KV} \
+            if isinstance(doc, dict) else doc
+        h.update(b"config.json\0" + json.dumps(kept, sort_keys=True).encode())
     return h.hexdigest()
 
 

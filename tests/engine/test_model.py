@@ -121,3 +121,35 @@ def test_embedded_smollm2_geometry(smol) -> None:
     g = model_geometry(smol.model, 16, smol.dtype)
     assert (g.num_layers, g.num_kv_heads, g.head_dim) == (30, 3, 64)
     assert smol.dtype is torch.float32 and smol.device.type == "cpu"
+
+
+def test_a_changed_model_config_changes_the_kv_namespace(model_cache_dir: Path, tiny,
+                                                         tmp_path: Path) -> None:
+    """An edited config.json that shapes attention (rope_theta) makes every stored block
+    unreachable, and a fresh run of the edited model is what it answers; reformatting the
+    file or a new transformers_version changes nothing."""
+    import json
+    import shutil
+
+    from kvagentd.config import ModelConfig
+    from kvagentd.engine.model import load_model
+    from kvagentd.kvcache.keys import block_keys, make_namespace
+
+    src = tiny_model_dir(model_cache_dir)
+    copy = tmp_path / "tiny"
+    shutil.copytree(src, copy)
+    doc = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**doc, "transformers_version": "9.9.9"},
+                                                 indent=4, sort_keys=False))
+    assert fingerprint(copy) == tiny.fingerprint
+    rope = {**doc["rope_parameters"], "rope_theta": 1234.0}
+    (copy / "config.json").write_text(json.dumps({**doc, "rope_parameters": rope}))
+    assert fingerprint(copy) != tiny.fingerprint
+    ids = list(range(64))
+    old = block_keys(make_namespace(tiny.fingerprint, torch.float32, 16), ids, 16)
+    new = block_keys(make_namespace(fingerprint(copy), torch.float32, 16), ids, 16)
+    assert not set(old) & set(new)
+    edited = load_model(ModelConfig(source="hf_dir", path=copy, device="cpu", dtype="float32",
+                                    threads=1), tmp_path / "cache")
+    assert edited.model.config.rope_parameters["rope_theta"] == 1234.0
+    assert edited.fingerprint == fingerprint(copy)
