@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -173,3 +174,18 @@ def test_the_holds_come_from_the_config(raise_after: float, clear_after: float) 
         assert seen == [DEGRADED] * 3 + [OK] * 5
     else:  # raised after 3 s, cleared after 9 s of ok
         assert seen == [OK, DEGRADED, DEGRADED, DEGRADED, DEGRADED, DEGRADED, OK, OK]
+
+
+def test_the_holds_load_from_the_health_section_and_bad_ones_name_the_field(
+        tmp_path: Path) -> None:
+    from kvagentd.config import ConfigError, load_config
+
+    assert (HealthConfig().raise_after_s, HealthConfig().clear_after_s) == (15.0, 60.0)
+    f = tmp_path / "k.toml"
+    f.write_text("[health]\nraise_after_s = 6.0\nclear_after_s = 120.0\n")
+    h = load_config(f, env={}).health
+    assert (h.raise_after_s, h.clear_after_s) == (6.0, 120.0)
+    f.write_text("[health]\nclear_after_s = -1.0\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(f, env={})
+    assert exc.value.path == "health.clear_after_s"
