@@ -391,8 +391,7 @@ class Daemon:
 
     def health_report(self) -> Report:
         """Every named check (`kvagentd.health`), judged now and settled (hysteresis)."""
-        return self.settled.settle(assess(self.config, self._health_facts(), self.acks),
-                                   self.config.health)
+        return self._settle(assess(self.config, self._health_facts(), self.acks))
 
     def health(self) -> dict[str, Any]:
         """`{"status": ok|degraded|failing, "checks": [{name, status, reason}], ...}`."""
@@ -410,7 +409,7 @@ class Daemon:
         seen = self.acks.ack(facts.counters(), time.time(), names)
         self.settled.forget([n for n in ackable if not names or n in names])
         log.info("health_acknowledged", counters=seen)
-        report = self.settled.settle(assess(self.config, facts, self.acks), self.config.health)
+        report = self._settle(assess(self.config, facts, self.acks))
         return {"acknowledged": seen, "health": report.as_dict()}
 
     def scrape(self) -> Scrape | None:
@@ -420,11 +419,17 @@ class Daemon:
         facts = self._health_facts()
         store = self.services.store
         agent_on = self.services.agent is not None and self.config.agent.enabled
-        return Scrape(facts, self.settled.settle(assess(self.config, facts, self.acks),
-                                                 self.config.health),
+        return Scrape(facts, self._settle(assess(self.config, facts, self.acks)),
                       store.stats() if store is not None else None,
                       {a.name: self.jobs.record(TICK_PREFIX + a.name)
                        for a in self.config.agent.assets} if agent_on else {})
+
+    def _settle(self, report: Report) -> Report:
+        """`report` through the hysteresis while running; as judged while starting or stopping
+        (services not started yet are the phase, not a condition that must hold or clear)."""
+        if self._phase is not Phase.RUNNING:
+            return report
+        return self.settled.settle(report, self.config.health)
 
     def _commentary(self) -> dict[str, Any]:
         """Per asset: whether its ticks get the model's commentary (not part of health)."""
