@@ -13,8 +13,9 @@ Each check, and what makes it degraded (D) or failing (F):
 - sensor:ASSET: F no usable data for the stale limit (`sensor_stale_s`, 0: the agent's own,
   two tick intervals plus a window), so the zone shown is old; D MQTT disconnected while the
   data is still fresh.
-- cold-tier: D on the shadow or restoring. read-only: D the SSD takes no new records.
-  shadow-fill: D at `shadow_fill_degraded`, F at `shadow_fill_failing`.
+- cold-tier: D on the shadow or restoring, F on the shadow because the cold disk is full.
+  read-only: D the SSD takes no new records. shadow-fill: D at `shadow_fill_degraded`,
+  F at `shadow_fill_failing`.
 - checksum-failures, lost-blocks, cold-index, cold-full (cold writes refused because every
   record left was pinned or in use): D when any since start or the last `kvctl health ack`.
 - ssd-wear: D at `wear_degraded_percent`, worn, or a stale SMART status file; F SMART says the
@@ -27,8 +28,9 @@ Not a check: the model's commentary (`commentary`), per asset in `Report.comment
 A check marked `at_once` carries unambiguous evidence, a fact rather than a figure that may
 wander around a threshold: it already spans its own limit (a stalled main loop, stale sensor
 data, no tick for `tick_late_intervals`, a full disk, SMART failed), it is a state the daemon
-knows (its phase, the config file, a port it could not bind), or it counts faults that stay
-counted until acknowledged. `settle.Settled` takes it without waiting `raise_after_s`.
+knows (its phase, the config file, a port it could not bind, the cold tier's failover state,
+ticks paused by an operator), or it counts faults that stay counted until acknowledged.
+`settle.Settled` takes it without waiting `raise_after_s`.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def ticks(t: TickFacts, h: HealthConfig) -> Check:
     name, every = f"ticks:{t.asset}", f"every {age(t.interval_s)}"
     if t.paused:
         return Check(name, DEGRADED, f"paused by an operator (kvctl jobs resume "
-                                     f"agent.tick.{t.asset})")
+                                     f"agent.tick.{t.asset})", at_once=True)
     limit = h.tick_late_intervals * t.interval_s
     since = t.last_done_age_s if t.last_done_age_s is not None else t.waiting_s
     if since > limit:
@@ -241,20 +243,28 @@ def _bad(bad: dict[str, int]) -> str:
 def _cold(f: Facts, h: HealthConfig, acks: Acknowledgements) -> Iterator[Check]:
     c = f.cold
     if c is not None:
+        # NOTE: the failover pair's states are taken at once, both ways: it has its own
+        # hysteresis (it fails back only after `failback_good_probes` good probes in a row)
         if c.serving == "ssd":
-            yield Check("cold-tier", OK, "serving from the SSD")
+            yield Check("cold-tier", OK, "serving from the SSD", at_once=True)
+        elif c.serving == "shadow" and c.cause == "no_space":
+            # NOTE: unambiguous (the SSD answered ENOSPC), and the SSD's part of the job, the
+            # archive of long-idle sessions, is not being done: only the RAM shadow takes them
+            yield Check("cold-tier", FAILING, f"the cold disk is full ({c.reason}): new cold "
+                                              "records go to the shadow in RAM until there is "
+                                              "room", at_once=True)
         else:
             what = "restoring to the SSD" if c.serving == "restoring" else "serving from the shadow"
             deferred = f"; restore deferred: {c.restore_deferred}" if c.restore_deferred else ""
-            yield Check("cold-tier", DEGRADED, f"{what} ({c.reason}){deferred}")
+            yield Check("cold-tier", DEGRADED, f"{what} ({c.reason}){deferred}", at_once=True)
         if c.read_only:
             why = (f"the SSD directory could not be written: {c.ssd_unwritable}"
                    if c.ssd_unwritable else "wear limit or a read-only file system")
             yield Check("read-only", DEGRADED, f"the SSD takes no new cold records ({why}); "
                                                "blocks that do not fit warm are dropped and "
-                                               "recomputed")
+                                               "recomputed", at_once=True)
         else:
-            yield Check("read-only", OK, "the SSD takes new cold records")
+            yield Check("read-only", OK, "the SSD takes new cold records", at_once=True)
         yield shadow_fill(c.shadow_bytes, c.shadow_capacity_bytes, h)
         counters = f.counters()
         n = acks.since("checksum-failures", counters["checksum-failures"])
