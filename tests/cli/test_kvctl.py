@@ -57,9 +57,16 @@ def test_status_human_and_json(h: Harness, capsys: pytest.CaptureFixture[str]) -
                             "free_bytes": 1 << 39, "used_percent": 50.0}]},
         "gpu": None, "gpu_reason": "NVML unavailable: no library",
         "store": {"hot_blocks": 10, "tiers": {"warm": 5}},
+        "commentary": {"pump-1": {"asset": "pump-1", "state": "missing", "failed": 1, "cut": 2,
+                                  "withheld": 3, "reason": "the last 3 model turns gave none"},
+                       "fan-2": {"asset": "fan-2", "state": "ok", "failed": 0, "cut": 0,
+                                 "withheld": 0, "reason": "commenting"}},
     }
     code, out, _ = kvctl(capsys, "--socket", str(h.path), "status")
     assert code == 0
+    assert ("comment  pump-1: missing  withheld 3  failed 1  cut 2  (the last 3 model turns "
+            "gave none)") in out
+    assert "comment  fan-2: ok  withheld 0  failed 0  cut 0\n" in out
     assert "kvagentd 0.1.0  running, ready  up 1h 2m  pid 42" in out
     assert "40.0 GiB available of 64.0 GiB" in out
     assert "gpu      none (NVML unavailable: no library)" in out
