@@ -34,8 +34,7 @@ from kvagentd.control.server import ControlServer
 from kvagentd.control.socketfile import ControlSocketInUse
 from kvagentd.exitcodes import EX_OK, startup_exit_code
 from kvagentd.health import (Acknowledgements, DaemonFacts, Facts, Report, Settled, assess,
-                             gather)
-from kvagentd.health.checks import commentary
+                             commentaries, gather)
 from kvagentd.agent.jobs import TICK_PREFIX
 from kvagentd.jobevents import JOB_EVENTS, JobEventListener
 from kvagentd.jobwatch import JobWatch
@@ -380,7 +379,9 @@ class Daemon:
             {"id": j.id, "name": j.name, "next_run": j.next_run_time.isoformat()
              if j.next_run_time else None} for j in self.scheduler.get_jobs()]}
         out["services"] = self._started_names()
-        out["commentary"] = self._commentary()
+        agent = self.services.agent  # the model's commentary per asset, not part of health
+        out["commentary"] = commentaries(agent.asset_views) \
+            if agent is not None and "agent" in out["services"] else {}
         for name, service in self.services.in_order():
             try:
                 out[name] = service.status()
@@ -430,17 +431,6 @@ class Daemon:
         if self._phase is not Phase.RUNNING:
             return report
         return self.settled.settle(report, self.config.health)
-
-    def _commentary(self) -> dict[str, Any]:
-        """Per asset: whether its ticks get the model's commentary (not part of health)."""
-        agent = self.services.agent
-        if agent is None or "agent" not in self._started_names():
-            return {}
-        try:
-            return {c.asset: c.as_dict() for c in (commentary(v) for v in agent.asset_views())}
-        except Exception as exc:  # one broken view must not hide the rest of the status
-            log.error("commentary_status_failed", exc_info=exc)
-            return {"error": f"{type(exc).__name__}: {exc}"}
 
     def _health_facts(self) -> Facts:
         running = self._phase is Phase.RUNNING

@@ -5,10 +5,10 @@ acknowledged (`acks`), then held to their levels by the daemon's one `settle.Set
 line all read the same settled `Report`."""
 
 from kvagentd.health.acks import Acknowledgements
-from kvagentd.health.checks import assess
+from kvagentd.health.checks import assess, commentaries
 from kvagentd.health.facts import DaemonFacts, Facts, gather
 from kvagentd.health.report import Check, Commentary, Level, Report
 from kvagentd.health.settle import Settled
 
 __all__ = ["Acknowledgements", "Check", "Commentary", "DaemonFacts", "Facts", "Level", "Report",
-           "Settled", "assess", "gather"]
+           "Settled", "assess", "commentaries", "gather"]

@@ -36,8 +36,10 @@ ticks paused by an operator), or it counts faults that stay counted until acknow
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from kvagentd.config import Config, HealthConfig
 from kvagentd.health.acks import Acknowledgements
@@ -46,6 +48,8 @@ from kvagentd.health.report import Check, Commentary, Level, Report, age, pct, s
 
 if TYPE_CHECKING:
     from kvagentd.agent.view import AssetView
+
+log = structlog.get_logger(__name__)
 
 OK, DEGRADED, FAILING = Level.OK, Level.DEGRADED, Level.FAILING
 _LEVELS = {"ok": OK, "degraded": DEGRADED, "failing": FAILING}
@@ -230,6 +234,16 @@ def commentary(a: AssetView) -> Commentary:
     if a.llm_errors or a.llm_cut or a.llm_withheld:
         return Commentary(a.name, "ok", f"commenting; {since}", **counts)
     return Commentary(a.name, "ok", "no model turn without commentary since start", **counts)
+
+
+def commentaries(views: Callable[[], Sequence[AssetView]]) -> dict[str, Any]:
+    """Per asset, its `commentary` as `/v1/status` shows it (`{"error": ...}` when the views
+    cannot be read: one broken probe must not hide the rest of the status)."""
+    try:
+        return {c.asset: c.as_dict() for c in (commentary(v) for v in views())}
+    except Exception as exc:  # a broken probe is reported, never a failed status request
+        log.error("commentary_status_failed", exc_info=exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _bad(bad: dict[str, int]) -> str:

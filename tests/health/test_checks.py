@@ -269,3 +269,14 @@ def test_a_full_disk_is_failing_at_once_a_low_one_degraded() -> None:
     assert low.level is DEGRADED and not low.at_once and "below the floor" in low.reason
     assert r["disk:/ok"].level is OK
     assert r["disk:/gone"].level is FAILING and r["disk:/gone"].at_once
+
+
+def test_commentaries_for_status_and_a_broken_probe() -> None:
+    views = [_view(llm_failing=3, llm_error="llm: timeout", llm_errors=3), _view(name="fan-2")]
+    got = checks.commentaries(lambda: views)
+    assert got["pump-1"]["state"] == "missing" and got["pump-1"]["failed"] == 3
+    assert got["fan-2"]["state"] == "ok"
+
+    def broken() -> list[AssetView]:
+        raise RuntimeError("view exploded")
+    assert checks.commentaries(broken) == {"error": "RuntimeError: view exploded"}
