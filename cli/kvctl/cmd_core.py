@@ -7,17 +7,18 @@ from typing import Annotated, Any
 import typer
 
 from kvctl import render
-from kvctl.common import EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, opts, usage_error
+from kvctl.common import (EX_FAILURE, HEALTH_EXIT, ExitCode, JsonOpt, SocketOpt, TimeoutOpt, call,
+                          opts, usage_error)
 
 # Keys of /v1/status that the daemon itself fills; every other dict-valued key is a service.
 _CORE_KEYS = {"version", "pid", "phase", "ready", "started_at", "uptime_s", "config_path",
-              "metrics_listener",
+              "metrics_listener", "commentary",
               "host", "gpu", "gpu_reason", "control", "scheduler", "services"}
 
 
 def register(app: typer.Typer) -> None:
     app.command("status")(status)
-    health_app = typer.Typer(help="Named health checks; exits 1 unless every check is ok.",
+    health_app = typer.Typer(help="Named health checks; exits 0 ok, 1 degraded, 2 failing.",
                              invoke_without_command=True)
     health_app.callback()(health)
     health_app.command("ack")(health_ack)
@@ -36,14 +37,16 @@ def status(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = Fal
 
 def health(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = False,
            timeout: TimeoutOpt = None) -> None:
-    """Every health check with its status and reason; exits 1 unless all are ok."""
+    """Every health check with its status and reason, and each asset's commentary (not part
+    of health); exits 0 ok, 1 degraded, 2 failing (as a Nagios check)."""
     if ctx.invoked_subcommand is not None:
         return
     o = opts(ctx, socket, json_out, timeout)
     report = call(o, "GET", "/v1/health", ok=(503,))
     render.emit(o, report, render_health)
-    if report.get("status") != "ok":
-        raise typer.Exit(EX_FAILURE)
+    code = HEALTH_EXIT.get(str(report.get("status")), EX_FAILURE)
+    if code:
+        raise ExitCode(code)
 
 
 def health_ack(ctx: typer.Context,
@@ -127,9 +130,25 @@ def render_status(s: dict[str, Any]) -> str:
         else:
             lines.append(f"{name}:")
             lines.append(render.kv(value, 1))
+    lines.extend(_commentary_lines(s.get("commentary")))
     if any(name in _SUMMARIES for name in s):
         lines.append("(kvctl status --json shows every counter)")
     return "\n".join(lines)
+
+
+def _commentary_lines(notes: Any) -> list[str]:
+    """Per asset: whether its ticks get the model's commentary (not part of health)."""
+    if not isinstance(notes, dict):
+        return []
+    out = []
+    for asset, c in notes.items():
+        if not isinstance(c, dict):  # {"error": "..."}: the daemon could not tell
+            out.append(f"comment  {asset}: {c}")
+            continue
+        out.append(f"comment  {asset}: {c.get('state', '?')}  withheld {c.get('withheld', 0)}"
+                   f"  failed {c.get('failed', 0)}  cut {c.get('cut', 0)}"
+                   + (f"  ({c.get('reason')})" if c.get("state") != "ok" else ""))
+    return out
 
 
 def _summary(name: str, value: dict[str, Any]) -> list[str] | None:
@@ -269,8 +288,14 @@ def render_health(h: dict[str, Any]) -> str:
         head += f"  (counters acknowledged {render.when(h['acknowledged_at'])})"
     checks = [{**c, "reason": c.get("reason", c.get("detail", ""))}
               for c in h.get("checks") or []]
-    return head + "\n" + render.table(checks, [("name", "check"), ("status", "status"),
-                                               ("reason", "reason")])
+    out = head + "\n" + render.table(checks, [("name", "check"), ("status", "status"),
+                                              ("reason", "reason")])
+    notes = h.get("commentary") or []
+    if notes:
+        out += "\n\ncommentary (the model's text on each tick; not part of health)\n"
+        out += render.table(notes, [("asset", "asset"), ("state", "state"),
+                                    ("reason", "reason")])
+    return out
 
 
 def render_ack(reply: dict[str, Any]) -> str:

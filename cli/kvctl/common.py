@@ -36,13 +36,17 @@ EX_UNAVAILABLE = 69
 EX_TEMPFAIL = 75
 EX_NOPERM = 77
 EX_CONFIG = 78
+# `kvctl health`, as a Nagios check: 0 ok, 1 degraded (warning), 2 failing (critical)
+HEALTH_EXIT = {"ok": EX_OK, "degraded": 1, "failing": 2}
 
 DEFAULT_SOCKET = Path("/run/kvagentd/kvagentd.sock")
 SOCKET_ENV = "KVAGENTD_SOCKET"
 DEFAULT_TIMEOUT_S = 30.0
 
+# NOTE: readable=False: click's default check of read access would turn a socket this user may
+# not open into a usage error (64); connecting says so instead (77).
 SocketOpt = Annotated[Path | None, typer.Option(
-    "--socket", "-s", envvar=SOCKET_ENV, show_envvar=True,
+    "--socket", "-s", envvar=SOCKET_ENV, show_envvar=True, readable=False,
     help=f"control socket of the daemon [default: {DEFAULT_SOCKET}]")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the daemon's JSON reply")]
 TimeoutOpt = Annotated[float | None, typer.Option(
@@ -67,10 +71,22 @@ def opts(ctx: typer.Context | None, socket: Path | None = None, json_out: bool =
 
 # -- exit-code mapping --------------------------------------------------------------------
 
+class ExitCode(Exception):
+    """Exit with exactly `code`. For codes click's standalone mode would misread: it exits 2
+    for its usage errors, which `main` turns into EX_USAGE, while 2 is `kvctl health`'s
+    failing."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
 def exit_code_for(status: int, kind: str) -> int:
     """The kvctl exit code for an API error reply."""
     if kind == "bad_config":
         return EX_CONFIG
+    if kind == "not_configured":  # a feature this daemon runs without: retrying cannot help
+        return EX_UNAVAILABLE
     if status == 403 or kind == "forbidden":
         return EX_NOPERM
     if kind in ("conflict", "session_fenced", "held_alive", "bad_manifest"):

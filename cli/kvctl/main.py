@@ -1,7 +1,8 @@
 """kvctl: operate kvagentd over its control socket.
 
-Exit codes (sysexits): 0 ok, 1 other failure, 64 usage, 69 daemon unreachable,
-75 busy / not ready / timed out (try again), 77 not permitted, 78 bad configuration.
+Exit codes (sysexits): 0 ok, 1 not found or other failure, 64 usage, 69 daemon unreachable
+or the feature not configured, 75 busy / not ready / timed out (try again), 77 not permitted,
+78 bad configuration. `kvctl health`: 0 ok, 1 degraded, 2 failing (as a Nagios check).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import typer
 
 from kvctl import (cmd_agent, cmd_blocks, cmd_core, cmd_fleet, cmd_maintenance, cmd_sessions,
                    cmd_trace)
-from kvctl.common import (DEFAULT_SOCKET, DEFAULT_TIMEOUT_S, EX_USAGE, JsonOpt, Opts, SocketOpt,
-                          TimeoutOpt)
+from kvctl.common import (DEFAULT_SOCKET, DEFAULT_TIMEOUT_S, EX_USAGE, ExitCode, JsonOpt, Opts,
+                          SocketOpt, TimeoutOpt)
 
 def _installed_version() -> str:
     """The installed distribution's version (kvctl ships with the daemon)."""
@@ -61,9 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    # NOTE: click reports usage errors with exit status 2; kvctl promises EX_USAGE.
-    if code == _CLICK_USAGE:
-        code = EX_USAGE
+        # NOTE: click reports usage errors with exit status 2; kvctl promises EX_USAGE.
+        if code == _CLICK_USAGE:
+            code = EX_USAGE
+    except ExitCode as exc:  # passes click by, so a 2 stays 2
+        code = exc.code
     if argv is None:
         sys.exit(code)
     return code

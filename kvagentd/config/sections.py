@@ -262,7 +262,17 @@ class MetricsConfig:
 
 @dataclass(frozen=True, slots=True)
 class HealthConfig:
-    """Thresholds of the health checks (`kvctl health`); every field reloads on SIGHUP."""
+    """Thresholds of the health checks (`kvctl health`); every field reloads on SIGHUP.
+
+    `raise_after_s` and `clear_after_s` are the hysteresis (`health.settle`): a check's new
+    level counts once it has held that long. 15 s to raise is five ticks at the 3 s cadence,
+    longer than the blips a busy box makes (one overrunning tick, a skip rate at its threshold
+    as the window slides), yet short enough for an operator; evidence that is unambiguous and
+    already spans its own limit (stale sensor data, a full disk, a stalled main loop, no tick
+    for `tick_late_intervals`) counts at once, so those are failing within two ticks. 60 s to
+    clear, four times the raise: a fault that comes and goes every few tens of seconds stays
+    raised as one episode instead of flapping, and an alert on it is not paged again and again.
+    """
 
     window_s: float = field(default=600.0, metadata=_rng(10.0, 86400.0))  # skips, p99, job failures
     tick_late_intervals: float = field(default=3.0, metadata=_rng(1.0, 1000.0))
@@ -277,6 +287,8 @@ class HealthConfig:
     wear_degraded_percent: float = field(default=70.0, metadata=_rng(0.0, 100.0))
     wear_unknown: Literal["ok", "degraded"] = "ok"  # no SMART status file (yet)
     memory_available_degraded: float = field(default=0.05, metadata=_rng(0.0, 1.0))
+    raise_after_s: float = field(default=15.0, metadata=_rng(0.0, 3600.0))  # worse: counts after
+    clear_after_s: float = field(default=60.0, metadata=_rng(0.0, 86400.0))  # better: counts after
 
 
 @dataclass(frozen=True, slots=True)

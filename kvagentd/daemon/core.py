@@ -33,7 +33,8 @@ from kvagentd.control.router import Router
 from kvagentd.control.server import ControlServer
 from kvagentd.control.socketfile import ControlSocketInUse
 from kvagentd.daemon.exitcodes import EX_OK, startup_exit_code
-from kvagentd.health import Acknowledgements, DaemonFacts, Facts, Report, assess, gather
+from kvagentd.health import (Acknowledgements, DaemonFacts, Facts, Report, Settled, assess,
+                             commentaries, gather)
 from kvagentd.agent.jobs import TICK_PREFIX
 from kvagentd.scheduling.jobevents import JOB_EVENTS, JobEventListener
 from kvagentd.scheduling.jobwatch import JobWatch
@@ -88,7 +89,7 @@ class Daemon:
                                     JOB_EVENTS)
         self.acks = Acknowledgements()
         self.metrics.register(ScrapeCollector(self.scrape))
-        self._health_level = "ok"
+        self.settled = Settled()  # health's hysteresis: every report passes through it
         self.config_rejected: str | None = None  # the last reload's error (health: config)
         self.config_pending: tuple[str, ...] = ()  # fields a restart would change
         self.started_at = time.time()
@@ -358,6 +359,9 @@ class Daemon:
             {"id": j.id, "name": j.name, "next_run": j.next_run_time.isoformat()
              if j.next_run_time else None} for j in self.scheduler.get_jobs()]}
         out["services"] = self._started_names()
+        agent = self.services.agent  # the model's commentary per asset, not part of health
+        out["commentary"] = commentaries(agent.asset_views) \
+            if agent is not None and "agent" in out["services"] else {}
         for name, service in self.services.in_order():
             try:
                 out[name] = service.status()
@@ -367,8 +371,8 @@ class Daemon:
         return out
 
     def health_report(self) -> Report:
-        """Every named check (`kvagentd.health`), judged now."""
-        return assess(self.config, self._health_facts(), self.acks)
+        """Every named check (`kvagentd.health`), judged now and settled (hysteresis)."""
+        return self._settle(assess(self.config, self._health_facts(), self.acks))
 
     def health(self) -> dict[str, Any]:
         """`{"status": ok|degraded|failing, "checks": [{name, status, reason}], ...}`."""
@@ -384,8 +388,10 @@ class Daemon:
             raise KeyError(f"{unknown[0]!r} counts nothing to acknowledge; ackable: "
                            + ", ".join(sorted(ackable)))
         seen = self.acks.ack(facts.counters(), time.time(), names)
+        self.settled.forget([n for n in ackable if not names or n in names])
         log.info("health_acknowledged", counters=seen)
-        return {"acknowledged": seen, "health": assess(self.config, facts, self.acks).as_dict()}
+        report = self._settle(assess(self.config, facts, self.acks))
+        return {"acknowledged": seen, "health": report.as_dict()}
 
     def scrape(self) -> Scrape | None:
         """What `/v1/metrics` reads of the services at scrape time (None until running)."""
@@ -394,10 +400,17 @@ class Daemon:
         facts = self._health_facts()
         store = self.services.store
         agent_on = self.services.agent is not None and self.config.agent.enabled
-        return Scrape(facts, assess(self.config, facts, self.acks),
+        return Scrape(facts, self._settle(assess(self.config, facts, self.acks)),
                       store.stats() if store is not None else None,
                       {a.name: self.jobs.record(TICK_PREFIX + a.name)
                        for a in self.config.agent.assets} if agent_on else {})
+
+    def _settle(self, report: Report) -> Report:
+        """`report` through the hysteresis while running; as judged while starting or stopping
+        (services not started yet are the phase, not a condition that must hold or clear)."""
+        if self._phase is not Phase.RUNNING:
+            return report
+        return self.settled.settle(report, self.config.health)
 
     def _health_facts(self) -> Facts:
         running = self._phase is Phase.RUNNING
@@ -417,8 +430,8 @@ class Daemon:
     # -- internals ---------------------------------------------------------------------------
 
     def _status_line(self) -> str:
-        """The systemd STATUS line: the phase, then the health (its worst checks) while
-        running; a change of health level is logged once."""
+        """The systemd STATUS line: the phase, then the settled health (its worst checks)
+        while running; `Settled` logs each change of health level once."""
         if self._phase is not Phase.RUNNING:
             return f"{self.phase}; services: " + (", ".join(self._started_names()) or "none")
         try:
@@ -426,12 +439,6 @@ class Daemon:
         except Exception as exc:  # the status line must never stop the main loop
             log.error("health_report_failed", exc_info=exc)
             return f"{self.phase}; health unknown: {type(exc).__name__}"
-        level = report.level.value
-        if level != self._health_level:
-            event = log.info if level == "ok" else log.warning
-            event("health_changed", old=self._health_level, new=level,
-                  checks={c.name: c.reason for c in report.not_ok()})
-            self._health_level = level
         line = f"{self.phase}; health {report.summary(limit=2)}"
         if self.server is not None:
             line += f"; {self.server.in_flight} requests in flight"

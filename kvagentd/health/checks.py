@@ -13,31 +13,43 @@ Each check, and what makes it degraded (D) or failing (F):
 - sensor:ASSET: F no usable data for the stale limit (`sensor_stale_s`, 0: the agent's own,
   two tick intervals plus a window), so the zone shown is old; D MQTT disconnected while the
   data is still fresh.
-- llm:ASSET: D the asset's last `LLM_FAILING_TURNS` model turns failed (its ticks still
-  measure and diagnose; their commentary is missing). Shown only once a turn has failed.
-- cold-tier: D on the shadow or restoring. read-only: D the SSD takes no new records.
-  shadow-fill: D at `shadow_fill_degraded`, F at `shadow_fill_failing`.
+- cold-tier: D on the shadow or restoring, F on the shadow because the cold disk is full.
+  read-only: D the SSD takes no new records. shadow-fill: D at `shadow_fill_degraded`,
+  F at `shadow_fill_failing`.
 - checksum-failures, lost-blocks, cold-index, cold-full (cold writes refused because every
   record left was pinned or in use): D when any since start or the last `kvctl health ack`.
 - ssd-wear: D at `wear_degraded_percent`, worn, or a stale SMART status file; F SMART says the
   device failed; unknown (no status file): `wear_unknown`.
 - memory: D below `memory_available_degraded` of RAM. disk:PATH: D below
-  `maintenance.free_space_floor_bytes`, F unreadable.
+  `maintenance.free_space_floor_bytes`, F full (less than one cold I/O unit free) or unreadable.
+
+Not a check: the model's commentary (`commentary`), per asset in `Report.commentary`.
+
+A check marked `at_once` carries unambiguous evidence, a fact rather than a figure that may
+wander around a threshold: it already spans its own limit (a stalled main loop, stale sensor
+data, no tick for `tick_late_intervals`, a full disk, SMART failed), it is a state the daemon
+knows (its phase, the config file, a port it could not bind, the cold tier's failover state,
+ticks paused by an operator), or it counts faults that stay counted until acknowledged.
+`settle.Settled` takes it without waiting `raise_after_s`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from kvagentd.config import Config, HealthConfig
 from kvagentd.health.acks import Acknowledgements
 from kvagentd.health.facts import Facts, ServiceFacts, TickFacts, WearFacts
-from kvagentd.health.report import Check, Level, Report, age, pct, size
+from kvagentd.health.report import Check, Commentary, Level, Report, age, pct, size
 
 if TYPE_CHECKING:
     from kvagentd.agent.view import AssetView
+
+log = structlog.get_logger(__name__)
 
 OK, DEGRADED, FAILING = Level.OK, Level.DEGRADED, Level.FAILING
 _LEVELS = {"ok": OK, "degraded": DEGRADED, "failing": FAILING}
@@ -50,51 +62,53 @@ def assess(cfg: Config, facts: Facts, acks: Acknowledgements) -> Report:
     for t in facts.ticks:
         checks += [ticks(t, h), skip_rate(t, h), tick_p99(t, h)]
     checks += [sensor(a, h) for a in facts.assets]
-    checks += [llm(a) for a in facts.assets if a.llm_errors or a.llm_cut or a.llm_withheld]
     checks += list(_cold(facts, h, acks))
     if facts.wear is not None:
         checks.append(ssd_wear(facts.wear, h, cfg.maintenance.wear_readonly_percent))
     checks += list(_host(facts, h, acks))
-    return Report(tuple(checks), acks.at)
+    return Report(tuple(checks), acks.at, tuple(commentary(a) for a in facts.assets))
 
 
 # -- the daemon and its services -----------------------------------------------------------
 
 def _daemon(f: Facts) -> Iterator[Check]:
     d = f.daemon
+    # NOTE: the phase is a fact, not a measurement: it is taken at once, both ways
     if d.phase == "running":
-        yield Check("daemon", OK, f"running for {age(d.uptime_s)}")
+        yield Check("daemon", OK, f"running for {age(d.uptime_s)}", at_once=True)
     else:
-        yield Check("daemon", DEGRADED if d.phase == "starting" else FAILING, d.phase)
+        yield Check("daemon", DEGRADED if d.phase == "starting" else FAILING, d.phase,
+                    at_once=True)
     if d.main_loop_age_s is not None:
         late = d.main_loop_age_s > d.main_loop_limit_s
         yield Check("main-loop", FAILING if late else OK,
                     f"last iteration {age(d.main_loop_age_s)} ago"
-                    + (f" (limit {age(d.main_loop_limit_s)})" if late else ""))
+                    + (f" (limit {age(d.main_loop_limit_s)})" if late else ""), at_once=late)
     if d.metrics_error is not None:
         yield Check("metrics-listener", DEGRADED, f"{d.metrics_error}; metrics stay on the "
-                                                  "control socket (GET /v1/metrics)")
+                                                  "control socket (GET /v1/metrics)", at_once=True)
     if d.config_rejected is not None:
         yield Check("config", DEGRADED, f"the file no longer loads ({d.config_rejected}); the "
                                         "daemon runs its previous configuration and would not "
-                                        "start again with this file")
+                                        "start again with this file", at_once=True)
     elif d.config_pending:
         yield Check("config", DEGRADED, f"changed in the file, applied at the next restart: "
-                                        f"{', '.join(d.config_pending)}")
+                                        f"{', '.join(d.config_pending)}", at_once=True)
     else:
-        yield Check("config", OK, "running the configuration file as loaded")
+        yield Check("config", OK, "running the configuration file as loaded", at_once=True)
     if d.scheduler_running:
         yield Check("scheduler", OK, f"{d.scheduler_jobs} jobs")
     else:
-        yield Check("scheduler", FAILING, "not running: no tick, report or maintenance runs")
+        yield Check("scheduler", FAILING, "not running: no tick, report or maintenance runs",
+                    at_once=True)
 
 
 def _service(s: ServiceFacts, acks: Acknowledgements) -> Check:
     name = f"service:{s.name}"
     if not s.started:
-        return Check(name, FAILING, "not started")
+        return Check(name, FAILING, "not started", at_once=True)
     if s.probe_error is not None:
-        return Check(name, FAILING, f"health probe raised {s.probe_error}")
+        return Check(name, FAILING, f"health probe raised {s.probe_error}", at_once=True)
     own = s.health or {"status": "ok", "detail": "running"}
     level = _LEVELS.get(str(own.get("status")), FAILING)
     reason = str(own.get("detail") or "running")
@@ -104,8 +118,9 @@ def _service(s: ServiceFacts, acks: Acknowledgements) -> Check:
         j, n = max(failed, key=lambda p: -(p[0].last_error_age_s or 0.0))
         more = f" (and {len(failed) - 1} more jobs)" if len(failed) > 1 else ""
         return Check(name, DEGRADED, f"job {j.job_id} failed {n}x, last {age(j.last_error_age_s)} "
-                                     f"ago: {j.last_error}{more}", ackable=True)
-    return Check(name, level, reason, ackable=bool(s.failed_jobs))
+                                     f"ago: {j.last_error}{more}", ackable=True, at_once=True)
+    # NOTE: a service that says it is failing names a state (its thread stopped), not a figure
+    return Check(name, level, reason, ackable=bool(s.failed_jobs), at_once=level is FAILING)
 
 
 # -- the agent: per asset --------------------------------------------------------------------
@@ -114,14 +129,14 @@ def ticks(t: TickFacts, h: HealthConfig) -> Check:
     name, every = f"ticks:{t.asset}", f"every {age(t.interval_s)}"
     if t.paused:
         return Check(name, DEGRADED, f"paused by an operator (kvctl jobs resume "
-                                     f"agent.tick.{t.asset})")
+                                     f"agent.tick.{t.asset})", at_once=True)
     limit = h.tick_late_intervals * t.interval_s
     since = t.last_done_age_s if t.last_done_age_s is not None else t.waiting_s
     if since > limit:
         what = f"no tick done for {age(since)}" if t.last_done_age_s is not None \
             else f"no tick done in {age(since)} since start"
         return Check(name, FAILING, f"{what} ({every}; failing after "
-                                    f"{h.tick_late_intervals:g} intervals)")
+                                    f"{h.tick_late_intervals:g} intervals)", at_once=True)
     if t.last_done_age_s is None:
         return Check(name, OK, f"first tick due ({every})")
     return Check(name, OK, f"last tick {age(t.last_done_age_s)} ago ({every})")
@@ -173,17 +188,18 @@ def sensor(a: AssetView, h: HealthConfig) -> Check:
         if a.message_age_s is None:
             if a.running_s > limit:
                 return Check(name, FAILING, f"{link}: no message in {age(a.running_s)} since "
-                                            f"start{_bad(a.bad_samples)}")
+                                            f"start{_bad(a.bad_samples)}", at_once=True)
             return Check(name, DEGRADED if down else OK, f"{link}: waiting for the first message")
         if a.message_age_s > limit:
             return Check(name, FAILING, f"{link}: no message for {age(a.message_age_s)} (stale "
-                                        f"after {age(limit)}){shown}{_bad(a.bad_samples)}")
+                                        f"after {age(limit)}){shown}{_bad(a.bad_samples)}",
+                         at_once=True)
     if a.last_refused is not None:
         stale = a.data_age_s is None or a.data_age_s > limit
         return Check(name, FAILING if stale else DEGRADED,
                      f"{link}: the newest window was refused ({a.last_refused})"
                      + (f"; no usable one for {age(a.data_age_s)}" if stale else "")
-                     + f"{shown if stale else ''}{_bad(a.bad_samples)}")
+                     + f"{shown if stale else ''}{_bad(a.bad_samples)}", at_once=stale)
     if down:
         return Check(name, DEGRADED, f"{link}; last message {age(a.message_age_s)} ago")
     if a.message_age_s is not None:
@@ -198,23 +214,36 @@ def sensor(a: AssetView, h: HealthConfig) -> Check:
 LLM_FAILING_TURNS = 3
 
 
-def llm(a: AssetView) -> Check:
-    """Whether the asset's ticks get their commentary."""
-    name = f"llm:{a.name}"
+def commentary(a: AssetView) -> Commentary:
+    """Whether the asset's ticks get their commentary. Never a health check: the ticks still
+    measure and diagnose without it, and a small model's prose is not the box's health."""
     since = f"{a.llm_errors} turns failed" + (
         f" and {a.llm_cut} were cut by the tick's deadline" if a.llm_cut else "") + (
         f"; {a.llm_withheld} commentaries withheld" if a.llm_withheld else "") + " since start"
+    counts = {"failed": a.llm_errors, "cut": a.llm_cut, "withheld": a.llm_withheld}
     if a.llm_failing >= LLM_FAILING_TURNS:
         hint = ("; the model's text disagrees with the diagnosis or copies its prompt "
                 "(`kvctl events` shows each): a larger model comments better"
                 if (a.llm_error or "").startswith("commentary withheld") else "")
-        return Check(name, DEGRADED, f"the last {a.llm_failing} model turns gave no commentary, "
-                                     f"the last: {a.llm_error}{hint}; ticks still measure and "
-                                     f"diagnose ({since})")
+        return Commentary(a.name, "missing", f"the last {a.llm_failing} model turns gave no "
+                                             f"commentary, the last: {a.llm_error}{hint}; ticks "
+                                             f"still measure and diagnose ({since})", **counts)
     if a.llm_failing:
-        return Check(name, OK, f"the last model turn gave no commentary ({a.llm_error}); "
-                               f"{since}")
-    return Check(name, OK, f"answering; {since}")
+        return Commentary(a.name, "ok", f"the last model turn gave no commentary "
+                                        f"({a.llm_error}); {since}", **counts)
+    if a.llm_errors or a.llm_cut or a.llm_withheld:
+        return Commentary(a.name, "ok", f"commenting; {since}", **counts)
+    return Commentary(a.name, "ok", "no model turn without commentary since start", **counts)
+
+
+def commentaries(views: Callable[[], Sequence[AssetView]]) -> dict[str, Any]:
+    """Per asset, its `commentary` as `/v1/status` shows it (`{"error": ...}` when the views
+    cannot be read: one broken probe must not hide the rest of the status)."""
+    try:
+        return {c.asset: c.as_dict() for c in (commentary(v) for v in views())}
+    except Exception as exc:  # a broken probe is reported, never a failed status request
+        log.error("commentary_status_failed", exc_info=exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _bad(bad: dict[str, int]) -> str:
@@ -228,20 +257,28 @@ def _bad(bad: dict[str, int]) -> str:
 def _cold(f: Facts, h: HealthConfig, acks: Acknowledgements) -> Iterator[Check]:
     c = f.cold
     if c is not None:
+        # NOTE: the failover pair's states are taken at once, both ways: it has its own
+        # hysteresis (it fails back only after `failback_good_probes` good probes in a row)
         if c.serving == "ssd":
-            yield Check("cold-tier", OK, "serving from the SSD")
+            yield Check("cold-tier", OK, "serving from the SSD", at_once=True)
+        elif c.serving == "shadow" and c.cause == "no_space":
+            # NOTE: unambiguous (the SSD answered ENOSPC), and the SSD's part of the job, the
+            # archive of long-idle sessions, is not being done: only the RAM shadow takes them
+            yield Check("cold-tier", FAILING, f"the cold disk is full ({c.reason}): new cold "
+                                              "records go to the shadow in RAM until there is "
+                                              "room", at_once=True)
         else:
             what = "restoring to the SSD" if c.serving == "restoring" else "serving from the shadow"
             deferred = f"; restore deferred: {c.restore_deferred}" if c.restore_deferred else ""
-            yield Check("cold-tier", DEGRADED, f"{what} ({c.reason}){deferred}")
+            yield Check("cold-tier", DEGRADED, f"{what} ({c.reason}){deferred}", at_once=True)
         if c.read_only:
             why = (f"the SSD directory could not be written: {c.ssd_unwritable}"
                    if c.ssd_unwritable else "wear limit or a read-only file system")
             yield Check("read-only", DEGRADED, f"the SSD takes no new cold records ({why}); "
                                                "blocks that do not fit warm are dropped and "
-                                               "recomputed")
+                                               "recomputed", at_once=True)
         else:
-            yield Check("read-only", OK, "the SSD takes new cold records")
+            yield Check("read-only", OK, "the SSD takes new cold records", at_once=True)
         yield shadow_fill(c.shadow_bytes, c.shadow_capacity_bytes, h)
         counters = f.counters()
         n = acks.since("checksum-failures", counters["checksum-failures"])
@@ -255,7 +292,7 @@ def _cold(f: Facts, h: HealthConfig, acks: Acknowledgements) -> Iterator[Check]:
         discarded = [f"{dev}: {w}" for dev, w in c.index_discarded.items() if w]
         if acks.since("cold-index", counters["cold-index"]):
             yield Check("cold-index", DEGRADED, "set aside at start, its records were "
-                        "discarded: " + "; ".join(discarded), ackable=True)
+                        "discarded: " + "; ".join(discarded), ackable=True, at_once=True)
         else:
             yield Check("cold-index", OK, "acknowledged: " + "; ".join(discarded) if discarded
                         else "opened cleanly", ackable=bool(discarded))
@@ -269,7 +306,7 @@ def _counted(name: str, n: int, acks: Acknowledgements, what: str) -> Check:
     since = "since the acknowledgement" if acks.at is not None else "since start"
     if n:
         return Check(name, DEGRADED, f"{n} {since}: {what} (kvctl health ack {name})",
-                     ackable=True)
+                     ackable=True, at_once=True)
     return Check(name, OK, f"none {since}", ackable=True)
 
 
@@ -289,7 +326,8 @@ def shadow_fill(used: int, capacity: int, h: HealthConfig) -> Check:
 def ssd_wear(w: WearFacts, h: HealthConfig, readonly_percent: float) -> Check:
     limits = f"degraded at {h.wear_degraded_percent:g} %, read-only at {readonly_percent:g} %"
     if w.state == "failed":
-        return Check("ssd-wear", FAILING, "SMART says the SSD is failing; cold tier on the shadow")
+        return Check("ssd-wear", FAILING, "SMART says the SSD is failing; cold tier on the shadow",
+                     at_once=True)
     if w.state in ("unknown", "not checked"):
         why = w.error or "no SMART data yet"
         return Check("ssd-wear", _LEVELS[h.wear_unknown],
@@ -313,7 +351,10 @@ def _host(f: Facts, h: HealthConfig, acks: Acknowledgements) -> Iterator[Check]:
     for d in f.disks:
         name = f"disk:{d.path}"
         if d.free_bytes is None:
-            yield Check(name, FAILING, d.error or "unreadable")
+            yield Check(name, FAILING, d.error or "unreadable", at_once=True)
+        elif d.free_bytes < max(f.disk_full_below, 1):
+            yield Check(name, FAILING, f"full: {size(d.free_bytes)} free, nothing more can be "
+                                       "written here", at_once=True)
         elif d.free_bytes < f.free_space_floor:
             yield Check(name, DEGRADED, f"{size(d.free_bytes)} free, below the floor of "
                                         f"{size(f.free_space_floor)}")
@@ -325,4 +366,4 @@ def _host(f: Facts, h: HealthConfig, acks: Acknowledgements) -> Iterator[Check]:
         j, n = failed[0]
         yield Check("jobs", DEGRADED, f"job {j.job_id} failed {n}x, last "
                                       f"{age(j.last_error_age_s)} ago: {j.last_error}",
-                    ackable=True)
+                    ackable=True, at_once=True)

@@ -100,6 +100,7 @@ class Facts:
     memory_total: int = 0
     disks: tuple[DiskFacts, ...] = ()
     free_space_floor: int = 0
+    disk_full_below: int = 0  # less free than this is a full disk (one cold I/O unit)
     other_failed_jobs: tuple[JobFailure, ...] = field(default=())  # jobs of no service
 
     def counters(self) -> dict[str, int]:
@@ -167,6 +168,7 @@ def gather(cfg: Config, services: Services, *, started: Collection[str], daemon:
                  memory_available=int(mem["available_bytes"]),
                  memory_total=int(mem["total_bytes"]), disks=disks,
                  free_space_floor=int(cfg.maintenance.free_space_floor_bytes),
+                 disk_full_below=int(cfg.kv.io_unit_bytes),
                  other_failed_jobs=tuple(other))
 
 

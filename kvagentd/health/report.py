@@ -4,6 +4,9 @@ Levels order as ok < degraded < failing; a report's status is its worst check. `
 the daemon does its job with less margin or with a fault it works around (cold tier on the
 shadow, lost blocks recomputed). `failing`: part of its job is not being done (an asset not
 ticking, sensor data stale, a service stopped).
+
+The model's commentary is not one of the checks: a small model's prose is not the box's
+health. Each asset's `Commentary` rides along in the report, shown and exported on its own.
 """
 
 from __future__ import annotations
@@ -40,19 +43,48 @@ class Check:
     level: Level
     reason: str
     ackable: bool = False  # counts something an operator can acknowledge
+    # The evidence is unambiguous and already spans its own limit (no sensor data for the
+    # stale limit, a full disk, a stalled main loop): health takes this level without a hold.
+    at_once: bool = False
+    # Set on a settled check (`settle.Settled`): the level the check reads now that has not
+    # held long enough to count, and for how long it has held.
+    pending: Level | None = None
+    pending_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "status": self.level.value,
                                "reason": self.reason}
         if self.ackable:
             out["ackable"] = True
+        if self.pending is not None:
+            out["pending"] = self.pending.value
+            out["pending_s"] = round(self.pending_s, 1)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Commentary:
+    """Whether an asset's ticks get the model's commentary: `ok`, or `missing` once its last
+    few model turns gave none (failed, cut by the tick's deadline, or withheld by the check).
+    Counters are since start."""
+
+    asset: str
+    state: str  # ok | missing
+    reason: str
+    failed: int = 0
+    cut: int = 0
+    withheld: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"asset": self.asset, "state": self.state, "reason": self.reason,
+                "failed": self.failed, "cut": self.cut, "withheld": self.withheld}
 
 
 @dataclass(frozen=True, slots=True)
 class Report:
     checks: tuple[Check, ...]
     acknowledged_at: float | None = None
+    commentary: tuple[Commentary, ...] = ()  # per asset; never part of `level`
 
     @property
     def level(self) -> Level:
@@ -74,7 +106,8 @@ class Report:
 
     def as_dict(self) -> dict[str, Any]:
         return {"status": self.level.value, "checks": [c.as_dict() for c in self.checks],
-                "acknowledged_at": self.acknowledged_at}
+                "acknowledged_at": self.acknowledged_at,
+                "commentary": [c.as_dict() for c in self.commentary]}
 
 
 def age(seconds: float | None) -> str:

@@ -6,7 +6,9 @@ Names follow the Prometheus conventions: base units in the name (`_bytes`, `_sec
 `_meters_per_second`, `_ratio` for 0-1), `_total` for counters, labels for tiers, devices,
 assets and checks. Enumerations are one gauge per value (1 for the current one):
 `kvagentd_cold_serving{tier="shadow"} 1`. Numeric codes, for alert rules:
-`kvagentd_asset_zone` A=1 .. D=4, `kvagentd_health_check_status` ok=0, degraded=1, failing=2.
+`kvagentd_asset_zone` A=1 .. D=4, `kvagentd_health_check_status` ok=0, degraded=1, failing=2
+(the settled levels, after the hysteresis), `kvagentd_commentary_status` ok=0, missing=1 (the
+model's commentary, never part of health).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ScrapeCollector(Collector):
         if s is None:
             return
         yield from _health(s)
+        yield from _commentary(s.report)
         if s.store is not None:
             yield from _store(s.store, s.facts.lost_blocks)
         yield from _cold(s.facts)
@@ -81,6 +84,21 @@ def _health(s: Scrape) -> Iterator[Metric]:
     for c in s.report.checks:
         each.add_metric([c.name], _STATUS_CODE[c.level.value])
     yield each
+
+
+def _commentary(r: Report) -> Iterator[Metric]:
+    state = _g("kvagentd_commentary_status", "Whether the asset's ticks get the model's "
+               "commentary: 0 ok, 1 missing (its last turns gave none; not part of health)",
+               ["asset"])
+    missing = _c("kvagentd_commentary_missing", "Model turns that gave no commentary, by why: "
+                 "failed, cut (the tick's deadline), withheld (the check refused the text)",
+                 ["asset", "reason"])
+    for c in r.commentary:
+        state.add_metric([c.asset], 0 if c.state == "ok" else 1)
+        missing.add_metric([c.asset, "failed"], c.failed)
+        missing.add_metric([c.asset, "cut"], c.cut)
+        missing.add_metric([c.asset, "withheld"], c.withheld)
+    yield from (state, missing)
 
 
 def _store(st: dict[str, Any], lost: int | None) -> Iterator[Metric]:

@@ -98,7 +98,7 @@ def test_a_session_that_outgrows_the_hot_pool_rolls_over_instead_of_failing_ever
     current = ag.tick_once("pump-1")["session"]
     (view,) = ag.asset_views()
     assert view.llm_failing == 1 and "some other failure" in (view.llm_error or "")
-    assert view.llm_errors == 2  # what the llm:ASSET health check reads
+    assert view.llm_errors == 2  # what the asset's commentary status reads
     clock.advance(3)
     assert ag.tick_once("pump-1")["session"] == current
     assert ag.asset_views()[0].llm_failing == 0  # answered again
@@ -374,8 +374,8 @@ def test_a_cut_commentary_is_not_kept_in_the_session(tmp_path, fake_executor, sc
         clock.advance(3)
         ag.tick_once("pump-1")
     from kvagentd.health import checks
-    check = checks.llm(ag.asset_views()[0])
-    assert check.level is checks.DEGRADED and "tick's deadline" in check.reason
+    note = checks.commentary(ag.asset_views()[0])
+    assert note.state == "missing" and "tick's deadline" in note.reason
     clock.advance(3)
     fake_executor.answer, fake_executor.finish_reason = "No fault: no action.", "stop"
     ag.tick_once("pump-1")
@@ -406,18 +406,18 @@ def test_commentary_that_copies_the_prompt_is_withheld_and_the_session_goes_on(
     row = ag.tick_once("pump-1")
     assert row["assessment"] is None and row["withheld"]
     assert "copies what it was given ('recent state of pump 1 no measurements yet')" in row["note"]
-    for _ in range(2):  # withheld turn after turn: `llm:pump-1` says the ticks get none
+    for _ in range(2):  # withheld turn after turn: the commentary status says the ticks get none
         clock.advance(3)
         assert ag.tick_once("pump-1")["withheld"]
-    check = checks.llm(ag.asset_views()[0])
-    assert check.level is checks.DEGRADED and "copies what it was given" in check.reason
-    assert "3 commentaries withheld" in check.reason and "a larger model" in check.reason
+    note = checks.commentary(ag.asset_views()[0])
+    assert note.state == "missing" and "copies what it was given" in note.reason
+    assert "3 commentaries withheld" in note.reason and "a larger model" in note.reason
     clock.advance(3)
     fake_executor.answer = "The pump-1 runs in zone A with no fault pattern."
     row2 = ag.tick_once("pump-1")
     assert row2["session"] == row["session"]
     assert row2["assessment"] == fake_executor.answer and not row2["withheld"]
-    assert checks.llm(ag.asset_views()[0]).level is checks.OK
+    assert checks.commentary(ag.asset_views()[0]).state == "ok"
     st = ag.status()["assets"]["pump-1"]
     assert st["commentaries"] == 4 and st["commentaries_withheld"] == 3
 

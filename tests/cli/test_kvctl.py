@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 import tomllib
 from collections.abc import Iterator
@@ -15,10 +16,13 @@ import pytest
 import typer
 
 from kvagentd.config import config_to_dict
-from kvagentd.control.errors import BadConfig, Busy, Forbidden, NotReady
+from kvagentd.control.errors import BadConfig, Busy, Forbidden, NotFound, NotReady
+from kvagentd.control.handlers import fleet as fleet_routes
+from kvagentd.control.router import Router
+from kvagentd.control.server import ControlServer
 from kvctl.common import Opts, stream
 from kvctl.main import main
-from tests.control.conftest import Harness, make_config, start_harness
+from tests.control.conftest import FakeDaemon, Harness, make_config, start_harness
 
 
 @pytest.fixture
@@ -53,9 +57,16 @@ def test_status_human_and_json(h: Harness, capsys: pytest.CaptureFixture[str]) -
                             "free_bytes": 1 << 39, "used_percent": 50.0}]},
         "gpu": None, "gpu_reason": "NVML unavailable: no library",
         "store": {"hot_blocks": 10, "tiers": {"warm": 5}},
+        "commentary": {"pump-1": {"asset": "pump-1", "state": "missing", "failed": 1, "cut": 2,
+                                  "withheld": 3, "reason": "the last 3 model turns gave none"},
+                       "fan-2": {"asset": "fan-2", "state": "ok", "failed": 0, "cut": 0,
+                                 "withheld": 0, "reason": "commenting"}},
     }
     code, out, _ = kvctl(capsys, "--socket", str(h.path), "status")
     assert code == 0
+    assert ("comment  pump-1: missing  withheld 3  failed 1  cut 2  (the last 3 model turns "
+            "gave none)") in out
+    assert "comment  fan-2: ok  withheld 0  failed 0  cut 0\n" in out
     assert "kvagentd 0.1.0  running, ready  up 1h 2m  pid 42" in out
     assert "40.0 GiB available of 64.0 GiB" in out
     assert "gpu      none (NVML unavailable: no library)" in out
@@ -73,14 +84,30 @@ def test_options_before_or_after_the_command_and_env_socket(
     assert code == 0 and json.loads(out)["checks"][0]["name"] == "x"
 
 
-def test_health_table_and_failing_exit_code(h: Harness,
+def test_health_table_and_nagios_exit_codes(h: Harness,
                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """0 ok, 1 degraded, 2 failing (as a Nagios check), with --json too."""
     code, out, _ = kvctl(capsys, "--socket", str(h.path), "health")
     assert code == 0 and out.splitlines()[0] == "health: ok" and "CHECK" in out
+    h.daemon.health = lambda: {  # type: ignore[method-assign]
+        "status": "degraded", "checks": [
+            {"name": "memory", "status": "degraded", "reason": "900 MiB available"},
+            {"name": "disk:/var", "status": "ok", "pending": "degraded", "pending_s": 6.0,
+             "reason": "1 GiB free (degraded for 6 s; counts after 15 s)"}],
+        "commentary": [{"asset": "pump-1", "state": "missing", "failed": 0, "cut": 0,
+                        "withheld": 3, "reason": "the last 3 model turns gave no commentary"}]}
+    code, out, _ = kvctl(capsys, "--socket", str(h.path), "health")
+    assert code == 1 and out.startswith("health: degraded") and "900 MiB available" in out
+    assert "counts after 15 s" in out
+    notes = out.split("commentary (the model's text on each tick; not part of health)\n")[1]
+    assert "pump-1" in notes and "missing" in notes and "3 model turns" in notes
+    assert kvctl(capsys, "--socket", str(h.path), "--json", "health")[0] == 1
     h.daemon.health = lambda: {"status": "failing", "checks": [  # type: ignore[method-assign]
         {"name": "disk", "status": "failing", "detail": "cold tier read-only"}]}
     code, out, _ = kvctl(capsys, "--socket", str(h.path), "health")
-    assert code == 1 and "cold tier read-only" in out
+    assert code == 2 and "cold tier read-only" in out and "commentary" not in out
+    code, out, _ = kvctl(capsys, "--socket", str(h.path), "--json", "health")
+    assert code == 2 and json.loads(out)["status"] == "failing"
 
 
 def test_config_show_is_valid_toml_of_the_running_config(
@@ -98,6 +125,8 @@ def test_config_show_is_valid_toml_of_the_running_config(
 
 
 @pytest.mark.parametrize("exc,code,kind", [
+    (NotFound("no session 'nosuch'"), 1, "not_found"),
+    (NotFound("no remote store is configured", kind="not_configured"), 69, "not_configured"),
     (Busy("queue full"), 75, "busy"),
     (NotReady("starting"), 75, "not_ready"),
     (Forbidden("only operators"), 77, "forbidden"),
@@ -160,6 +189,53 @@ def test_socket_permission_denied_exits_77(h: Harness) -> None:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 77
+
+
+def test_an_unreadable_socket_file_exits_77_not_64(h: Harness) -> None:
+    """The socket file itself 0600 (not its directory): the connect is refused, so 77 with
+    the socket named, never click's "path is not readable" usage error (64)."""
+    assert os.geteuid() == 0, "dropping to another uid needs root"
+    os.chmod(h.path.parent.parent, 0o755)
+    os.chmod(h.path.parent, 0o755)
+    os.chmod(h.path, 0o600)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            sys.stderr = open(w, "w", closefd=False)  # pytest holds the real one
+            sys.stdout = open(os.devnull, "w")
+            code = main(["--socket", str(h.path), "health"])
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as err:
+        message = err.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 77, message
+    assert f"may not connect to {h.path}" in message and "kvagent group" in message
+
+
+def test_fleet_without_a_remote_tier_exits_69_not_75(
+        short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Retrying cannot help a daemon that runs without `[remote]`: not 75 (try again)."""
+    cfg = make_config(short_dir)
+    router = Router()
+    fleet_routes.register(router, FakeDaemon(cfg))
+    server = ControlServer(cfg.control, router)
+    server.start()
+    try:
+        code, _, err = kvctl(capsys, "--socket", str(server.path), "fleet")
+        assert code == 69 and "no remote store is configured ([remote] url)" in err
+        code, out, _ = kvctl(capsys, "--socket", str(server.path), "--json", "fleet")
+        assert code == 69 and json.loads(out)["error"]["kind"] == "not_configured"
+    finally:
+        server.stop(1.0)
 
 
 def _collect(o: Opts, path: str) -> list[Any]:

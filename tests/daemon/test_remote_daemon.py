@@ -57,6 +57,9 @@ box_id = "edge-7"
 read_timeout_s = 0.25
 retry_max_s = 1.0
 heartbeat_interval_s = 1.0
+[health]  # short holds: the link's outage and its end, not the hysteresis, are tested here
+raise_after_s = 1.0
+clear_after_s = 3.0
 """)
     p = DaemonProcess(d, config)
     try:

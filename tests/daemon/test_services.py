@@ -103,6 +103,9 @@ def test_status_and_health_merge_present_services_only(tmp: Path) -> None:
     d = _daemon(tmp, store=FakeService("store", journal, health="ok"),
                 maintenance=FakeService("maintenance", journal, fail_status=True,
                                         health="degraded"))
+    # the merge, not the hysteresis (tests/health/test_settle.py): a reading counts at once
+    d.config = dataclasses.replace(d.config, health=dataclasses.replace(d.config.health,
+                                                                        raise_after_s=0.0))
     d.startup()
     try:
         s = d.status()

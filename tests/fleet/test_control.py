@@ -52,7 +52,7 @@ def test_adopt_and_fleet_through_kvctl(fdir: Path, redis: RedisServer,
     b = Box(box_config(fdir, redis.url, "box-b", extra='publish_sessions = "all"'))
     sa, sb = Served(a), Served(b)
     try:
-        code, _, _ = sa.kvctl(capsys, "ask", "--session", SID, "-n", "4",
+        code, _, _ = sa.kvctl(capsys, "ask", "--session", SID, "--new", "-n", "4",
                               "Line 1 shift log: pump 1 restarted at 06:10.")
         assert code == 0
         a.flush()

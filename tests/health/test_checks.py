@@ -10,7 +10,7 @@ from kvagentd.agent.view import AssetView
 from kvagentd.config import HealthConfig, load_config
 from kvagentd.health import Acknowledgements, DaemonFacts, Facts, Level, assess
 from kvagentd.health import checks
-from kvagentd.health.facts import JobFailure, ServiceFacts, TickFacts, WearFacts
+from kvagentd.health.facts import DiskFacts, JobFailure, ServiceFacts, TickFacts, WearFacts
 from kvagentd.scheduling.jobwatch import JobWindow
 from kvagentd.kvcache.cold import ColdView
 
@@ -221,32 +221,62 @@ def test_report_summary_names_the_worst_first() -> None:
     assert r.as_dict()["status"] == "failing"
 
 
-def test_llm_is_listed_and_degraded_when_every_commentary_is_withheld() -> None:
-    """The model answers every tick but the check withholds every text: the ticks get no
-    commentary, so `llm:ASSET` is listed (no turn failed or was cut) and degrades."""
+def test_withheld_commentary_is_its_own_status_and_never_degrades_health() -> None:
+    """The model answers every tick but the check withholds every text: the asset's
+    commentary is `missing`, while the box stays ok (no `llm:` check at all)."""
     cfg = load_config(None, env={})
     why = "commentary withheld: copies what it was given ('recent state of pump 1 over 20')"
     view = _view(llm_failing=3, llm_error=why, llm_withheld=3)
-    c = _by_name(assess(cfg, _facts(assets=(view,)), Acknowledgements()))["llm:pump-1"]
-    assert c.level is DEGRADED  # type: ignore[attr-defined]
-    assert "copies what it was given" in c.reason and "a larger model" in c.reason  # type: ignore[attr-defined]
-    assert "3 commentaries withheld since start" in c.reason  # type: ignore[attr-defined]
+    r = assess(cfg, _facts(assets=(view,)), Acknowledgements())
+    assert not [c for c in r.checks if c.name.startswith("llm:")]
+    assert r.level is OK
+    (c,) = r.commentary
+    assert (c.asset, c.state, c.withheld) == ("pump-1", "missing", 3)
+    assert "copies what it was given" in c.reason and "a larger model" in c.reason
+    assert "3 commentaries withheld since start" in c.reason
+    assert r.as_dict()["commentary"][0]["state"] == "missing"
     fine = _view(llm_failing=0, llm_withheld=3)
-    assert _by_name(assess(cfg, _facts(assets=(fine,)), Acknowledgements()))[
-        "llm:pump-1"].level is OK  # type: ignore[attr-defined]
-    assert "llm:pump-1" not in _by_name(assess(cfg, _facts(assets=(_view(),)),
-                                               Acknowledgements()))
+    (c,) = assess(cfg, _facts(assets=(fine,)), Acknowledgements()).commentary
+    assert c.state == "ok" and "3 commentaries withheld" in c.reason
+    (c,) = assess(cfg, _facts(assets=(_view(),)), Acknowledgements()).commentary
+    assert (c.state, c.failed, c.cut, c.withheld) == ("ok", 0, 0, 0)
 
 
-def test_llm_is_degraded_after_three_failed_turns_in_a_row() -> None:
+def test_commentary_is_missing_after_three_failed_turns_in_a_row() -> None:
     err = "llm: HotPoolFull: session 'pump-1-1' needs 75 hot blocks"
-    one = checks.llm(_view(llm_failing=1, llm_error=err, llm_errors=4))
-    assert one.level is OK and "needs 75 hot blocks" in one.reason  # a moment, said
-    three = checks.llm(_view(llm_failing=3, llm_error=err, llm_errors=6))
-    assert three.level is DEGRADED and three.name == "llm:pump-1"
+    one = checks.commentary(_view(llm_failing=1, llm_error=err, llm_errors=4))
+    assert one.state == "ok" and "needs 75 hot blocks" in one.reason  # a moment, said
+    three = checks.commentary(_view(llm_failing=3, llm_error=err, llm_errors=6))
+    assert three.state == "missing" and three.asset == "pump-1" and three.failed == 6
     assert "last 3 model turns gave no commentary" in three.reason
     assert "75 hot blocks" in three.reason and "6 turns failed since start" in three.reason
-    cut = checks.llm(_view(llm_failing=3, llm_error="commentary cut at the tick's deadline",
-                           llm_cut=3))
-    assert cut.level is DEGRADED and "0 turns failed and 3 were cut" in cut.reason
-    assert checks.llm(_view(llm_failing=0, llm_errors=6)).level is OK
+    cut = checks.commentary(_view(llm_failing=3, llm_error="commentary cut at the tick's "
+                                  "deadline", llm_cut=3))
+    assert cut.state == "missing" and "0 turns failed and 3 were cut" in cut.reason
+    assert checks.commentary(_view(llm_failing=0, llm_errors=6)).state == "ok"
+
+
+def test_a_full_disk_is_failing_at_once_a_low_one_degraded() -> None:
+    cfg = load_config(None, env={})
+    floor, unit = 1 << 30, 128 << 10
+    disks = (DiskFacts("/cold", unit - 1, None), DiskFacts("/state", floor - 1, None),
+             DiskFacts("/ok", floor, None), DiskFacts("/gone", None, "EIO"))
+    r = {c.name: c for c in assess(cfg, _facts(disks=disks, free_space_floor=floor,
+                                               disk_full_below=unit), Acknowledgements()).checks}
+    full = r["disk:/cold"]
+    assert full.level is FAILING and full.at_once and full.reason.startswith("full: ")
+    low = r["disk:/state"]
+    assert low.level is DEGRADED and not low.at_once and "below the floor" in low.reason
+    assert r["disk:/ok"].level is OK
+    assert r["disk:/gone"].level is FAILING and r["disk:/gone"].at_once
+
+
+def test_commentaries_for_status_and_a_broken_probe() -> None:
+    views = [_view(llm_failing=3, llm_error="llm: timeout", llm_errors=3), _view(name="fan-2")]
+    got = checks.commentaries(lambda: views)
+    assert got["pump-1"]["state"] == "missing" and got["pump-1"]["failed"] == 3
+    assert got["fan-2"]["state"] == "ok"
+
+    def broken() -> list[AssetView]:
+        raise RuntimeError("view exploded")
+    assert checks.commentaries(broken) == {"error": "RuntimeError: view exploded"}

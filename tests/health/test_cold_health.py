@@ -119,3 +119,19 @@ def test_a_cold_tier_full_of_records_that_must_stay_is_degraded_until_acknowledg
     acks.ack(counters, 10.0, ["cold-full"])
     assert _checks(cfg, t, acks)["cold-full"].level.value == "ok"  # type: ignore[attr-defined]
     t.store.close()
+
+
+def test_a_full_cold_disk_is_failing_at_once(tmp_path: Path) -> None:
+    """The SSD answers ENOSPC: the write goes to the shadow and `cold-tier` is failing,
+    unambiguous evidence that counts without a hold."""
+    cfg = _config(tmp_path)
+    cfg = dataclasses.replace(cfg, debug=dataclasses.replace(cfg.debug, fault_enospc=True))
+    t = _tiers(cfg)
+    keys = compute_blocks(t.store, "s", list(range(12)), 0, 3)
+    assert keys is not None
+    t.store.release("s")
+    t.store.demote(keys, Tier.COLD)
+    c = _checks(cfg, t, Acknowledgements())["cold-tier"]
+    assert c.level.value == "failing" and c.at_once  # type: ignore[attr-defined]
+    assert c.reason.startswith("the cold disk is full")  # type: ignore[attr-defined]
+    t.store.close()

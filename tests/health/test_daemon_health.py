@@ -1,6 +1,6 @@
 """Health of a running daemon (in process, no model, a simulated asset): overrunning ticks
-are failing, readyz and the STATUS line follow, kvctl health exits 1; a failing job puts its
-service in error until `kvctl health ack`."""
+are failing, readyz and the STATUS line follow, kvctl health exits 2; a failing job puts its
+service in error until `kvctl health ack`; the daemon's one hysteresis feeds every reader."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_overrunning_ticks_are_failing(short_dir: Path, started: list[Daemon],
         assert "skip-rate:pump-1" in r.json()["error"]["message"]
         assert client.get("/v1/health").status_code == 503
     capsys.readouterr()
-    assert kvctl(["--socket", sock, "health"]) == 1
+    assert kvctl(["--socket", sock, "health"]) == 2  # failing, as a Nagios check
     out = capsys.readouterr().out
     assert out.startswith("health: failing") and "skip-rate:pump-1" in out
     line = _until(lambda: next((x for x in reversed(d.notifier.lines)  # type: ignore[attr-defined]
@@ -118,7 +118,7 @@ def test_a_failing_job_is_a_service_in_error_until_acknowledged(
     d = _start(short_dir, tick=1.0)
     started.append(d)
     _until(lambda: _checks(d)["ticks:pump-1"]["reason"].startswith("last tick"))
-    assert d.health()["status"] == "ok", d.health()
+    assert d.health()["status"] == "ok"
     sock = str(d.config.control.socket)
     capsys.readouterr()
     assert kvctl(["--socket", sock, "health"]) == 0
@@ -227,3 +227,81 @@ def test_jobwatch_without_a_period_counts_only_reported_runs() -> None:
     tick, weekly = watch.record("tick"), watch.record("weekly")
     assert tick is not None and (tick.runs, tick.missed) == (3, 6)
     assert weekly is not None and (weekly.runs, weekly.missed) == (3, 0)
+
+
+def test_the_daemon_settles_health_once_for_every_reader_and_commentary_stays_apart(
+        short_dir: Path, started: list[Daemon]) -> None:
+    """A sensor link that drops while its data is still fresh (degraded, a figure that may
+    come back) counts only after `raise_after_s`; /v1/health, the metric and the STATUS line
+    read the same settled state, while every commentary withheld never degrades the box."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvagentd.health import Settled
+
+    d = _start(short_dir, tick=1.0)
+    started.append(d)
+    _until(lambda: _checks(d)["ticks:pump-1"]["reason"].startswith("last tick"))
+    assert d.services.agent is not None
+    t = [1000.0]
+    d.settled = Settled(lambda: t[0])  # the daemon's one hysteresis, on a fake clock
+    views = d.services.agent.asset_views
+
+    def withheld_and_down() -> Any:
+        return [v._replace(source="mqtt", connected=False, message_age_s=0.5, data_age_s=0.5,
+                           llm_failing=3, llm_withheld=40,
+                           llm_error="commentary withheld: raises an alarm ('faulty') while "
+                                     "no fault is diagnosed") for v in views()]
+
+    d.services.agent.asset_views = withheld_and_down  # type: ignore[method-assign]
+
+    def metric(name: str, **labels: str) -> float:
+        for fam in text_string_to_metric_families(generate_latest(d.metrics).decode()):
+            for s in fam.samples:
+                if s.name == name and s.labels == labels:
+                    return float(s.value)
+        raise AssertionError(f"no sample {name} {labels}")
+
+    h = d.health()
+    sensor = {c["name"]: c for c in h["checks"]}["sensor:pump-1"]
+    assert h["status"] == "ok" and sensor["status"] == "ok" and sensor["pending"] == "degraded"
+    assert not [c for c in h["checks"] if c["name"].startswith("llm:")]
+    assert h["commentary"][0]["state"] == "missing" and h["commentary"][0]["withheld"] == 40
+    assert metric("kvagentd_health_status") == 0
+    assert metric("kvagentd_commentary_status", asset="pump-1") == 1
+    assert metric("kvagentd_commentary_missing_total", asset="pump-1", reason="withheld") == 40
+    assert d.status()["commentary"]["pump-1"]["state"] == "missing"
+    assert d._status_line().startswith("running; health ok")
+    t[0] += 16.0  # held longer than raise_after_s (15 s)
+    assert d.health()["status"] == "degraded"
+    assert metric("kvagentd_health_status") == 1
+    line = d._status_line()
+    assert line.startswith("running; health degraded: sensor:pump-1: ") and "llm" not in line
+    d.services.agent.asset_views = views  # type: ignore[method-assign]
+    assert d.health()["status"] == "degraded"  # back: recovery waits clear_after_s (60 s)
+    t[0] += 30.0
+    assert d.health()["status"] == "degraded"
+    t[0] += 31.0
+    assert d.health()["status"] == "ok"
+    assert metric("kvagentd_health_status") == 0
+
+
+def test_a_report_read_while_starting_is_not_held_once_running(
+        short_dir: Path, started: list[Daemon]) -> None:
+    """`kvctl health` during a slow start sees services not started (failing); that is the
+    phase, so once running the health is ok at once, not after `clear_after_s`."""
+    seen: list[dict[str, Any]] = []
+
+    class Watching(Notes):
+        def status(self, text: str) -> None:
+            super().status(text)
+            if text == "starting agent":  # the services before it started, the agent not
+                seen.append(daemon.health())
+
+    daemon = Daemon(_config(short_dir, 1.0), None, notifier=Watching())
+    started.append(daemon)
+    daemon.startup()
+    assert seen[0]["status"] == "failing"
+    assert {c["name"]: c["status"] for c in seen[0]["checks"]}["service:agent"] == "failing"
+    h = daemon.health()
+    assert h["status"] == "ok", [c for c in h["checks"] if c["status"] != "ok"]

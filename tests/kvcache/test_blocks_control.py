@@ -74,6 +74,9 @@ def test_blocks_migrate_pin_verify(served):
     assert r.exit_code == 0
     r = kvctl(cfg, "blocks", "--session", "pump-1")
     assert r.exit_code == 0 and keys[1].hex() in r.output and "pump-1" in r.output
+    r = kvctl(cfg, "blocks", "--session", "nosuch")  # not found: 1, not the whole table
+    assert r.exit_code == 1 and "no blocks for session 'nosuch'" in r.output
+    assert "tier" not in r.output
     r = kvctl(cfg, "verify", "--json")
     assert r.exit_code == 0 and json.loads(r.output)["checked"] == 3
 

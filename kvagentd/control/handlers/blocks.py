@@ -62,6 +62,8 @@ def register(router: Router, deps: ControlDeps) -> None:
         only = req.query.get("session")
         if only:
             rows = [b for b in s.snapshot() if only in b.sessions]
+            if not rows:
+                raise NotFound(f"no blocks for session {only!r}")
             out["session_blocks"] = [{"key": b.key.hex(), "tier": b.tier.value if b.tier else None,
                                       "pinned": b.pinned, "in_use": b.in_use,
                                       "last_access": b.last_access} for b in rows]
