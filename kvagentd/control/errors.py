@@ -179,8 +179,10 @@ def for_status(status: int, message: str) -> ApiError:
 
 
 def require_service(service: T | None, missing: str) -> T:
-    """`service` (one of `ControlDeps.services`), or NotReady(`missing`) while it is absent
-    or not built yet."""
+    """`service` (one of `ControlDeps.services`), or 404 `not_configured` naming what is
+    missing. NOTE: routes that use it answer only once the daemon is ready (503 before), when
+    every service its configuration asks for exists: one absent now is absent for good, so
+    "retry" (503) would be wrong."""
     if service is None:
-        raise NotReady(missing)
+        raise NotFound(missing, kind="not_configured")
     return service

@@ -22,12 +22,7 @@ NO_REMOTE = "no remote store is configured ([remote] url), or no model is loaded
 
 def register(router: Router, deps: ControlDeps) -> None:
     def fleet() -> FleetService:
-        try:
-            return require_service(deps.services.remote, NO_REMOTE)
-        except NotReady:
-            # NOTE: these routes answer only once the daemon is ready, when every service it
-            # was configured with exists: none now is none for good (retrying cannot help)
-            raise NotFound(NO_REMOTE, kind="not_configured") from None
+        return require_service(deps.services.remote, NO_REMOTE)
 
     @router.route("GET", "/v1/fleet", change=False)
     def boxes(req: Request) -> dict[str, Any]:
