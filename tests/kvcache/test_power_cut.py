@@ -165,3 +165,23 @@ def test_a_power_cut_loses_no_acknowledged_block_and_serves_no_wrong_one(tmp_pat
             cs.close()
     assert len(acked) > 100
     assert taken["undone"] > 0 and taken["torn"] > 0, taken  # the cuts took something back
+
+
+def test_the_sqlite_files_are_as_durable_as_this_test_assumes(tmp_path):
+    """The index (and the session table) commit at synchronous=FULL in WAL mode: what the cut
+    above takes as durable once committed is durable on the device."""
+    from kvagentd.engine.sessions import SessionStore
+
+    store = ColdStore(tmp_path / "cold", GEOM, NS, capacity_bytes=1 << 20,
+                      segment_bytes=64 << 10, o_direct=False)
+    try:
+        db = store.index.db
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    finally:
+        store.close()
+    sessions = SessionStore(tmp_path / "state")
+    try:
+        assert sessions._db.execute("PRAGMA synchronous").fetchone()[0] == 2
+    finally:
+        sessions.close()
