@@ -79,7 +79,7 @@ class AssetState:
     def checked(self, withheld: str | None) -> None:
         """A finished turn's commentary after the check: shown (`withheld` None) ends a run of
         turns without commentary; withheld (why, the event's note) extends it, as a failed or
-        cut turn does (`llm:ASSET` degrades after a few in a row)."""
+        cut turn does (the commentary status reads "missing" after a few in a row)."""
         if withheld is None:
             self.llm_failing = 0
             return
@@ -97,7 +97,7 @@ class AssetState:
             self.llm_error = done.error
             return
         if done.cut:
-            # no commentary: counts for `llm:ASSET` (every turn cut means the device cannot
+            # no commentary: counts for the commentary status (every turn cut means the device cannot
             # finish a sentence within the interval)
             self.llm_cut += 1
             self.llm_failing += 1
