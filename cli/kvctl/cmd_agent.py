@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvctl import render
+from kvctl import completion, render
 from kvctl.common import (EX_FAILURE, EX_TEMPFAIL, JsonOpt, SocketOpt, TimeoutOpt, call, opts,
                           progress_wanted, usage_error)
 
@@ -71,7 +71,8 @@ def _exit_for_state(doc: dict[str, Any]) -> None:
 
 
 def report_run_weekly(ctx: typer.Context,
-                      asset: Annotated[str, typer.Option("--asset", "-a", help="asset name")],
+                      asset: Annotated[str, typer.Option("--asset", "-a", help="asset name",
+                                                         autocompletion=completion.assets)],
                       wait: WaitOpt = False, socket: SocketOpt = None,
                       json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
     """Write the weekly report of an asset (--asset) now."""
@@ -109,7 +110,8 @@ FOLLOW_EVERY_S = 1.0  # how often --follow asks for new rows
 
 
 def events(ctx: typer.Context,
-           asset: Annotated[str | None, typer.Option("--asset", "-a")] = None,
+           asset: Annotated[str | None, typer.Option(
+               "--asset", "-a", autocompletion=completion.assets)] = None,
            since: Annotated[str | None, typer.Option(
                "--since", help="unix seconds or an age: 90s, 15m, 2h, 7d")] = None,
            anomalies: Annotated[bool, typer.Option("--anomalies", help="only anomalies")] = False,
@@ -187,7 +189,8 @@ def jobs_list(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOpt = 
 
 
 def _job_action(action: str):
-    def command(ctx: typer.Context, job_id: Annotated[str, typer.Argument(metavar="ID")],
+    def command(ctx: typer.Context, job_id: Annotated[str, typer.Argument(
+                    metavar="ID", autocompletion=completion.jobs)],
                 socket: SocketOpt = None, json_out: JsonOpt = False,
                 timeout: TimeoutOpt = None) -> None:
         o = opts(ctx, socket, json_out, timeout)

@@ -6,14 +6,15 @@ from typing import Annotated, Any
 
 import typer
 
-from kvctl import render
+from kvctl import completion, render
 from kvctl.common import (EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, fail, opts,
                           progress_wanted, stream, usage_error)
 
 VERIFY_TIMEOUT_S = 3600.0
 TIERS = ("hot", "warm", "cold")
 
-SessionOpt = Annotated[str | None, typer.Option("--session", help="all blocks of this session")]
+SessionOpt = Annotated[str | None, typer.Option("--session", help="all blocks of this session",
+                                                autocompletion=completion.sessions)]
 BlockOpt = Annotated[str | None, typer.Option("--block", help="one block, by its hex key")]
 
 
@@ -68,7 +69,8 @@ def _target(o: Any, session: str | None, block: str | None) -> dict[str, str]:
 
 
 def migrate(ctx: typer.Context,
-            to: Annotated[str, typer.Option("--to", help="hot, warm or cold")],
+            to: Annotated[str, typer.Option("--to", help="hot, warm or cold",
+                                            autocompletion=completion.tiers)],
             session: SessionOpt = None, block: BlockOpt = None, socket: SocketOpt = None,
             json_out: JsonOpt = False, timeout: TimeoutOpt = None) -> None:
     """Move a session's blocks (or one block) to a tier."""

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvctl import render
+from kvctl import completion, render
 from kvctl.common import (EX_FAILURE, JsonOpt, SocketOpt, TimeoutOpt, call, fail, opts,
                           progress_wanted, stream, usage_error)
 
@@ -37,7 +37,8 @@ def default_session() -> str:
 def ask(ctx: typer.Context,
         question: Annotated[str, typer.Argument(help="the question")],
         session: Annotated[str | None, typer.Option(
-            "--session", "-S", help="session id [default: ask-<your user name>]")] = None,
+            "--session", "-S", help="session id [default: ask-<your user name>]",
+            autocompletion=completion.sessions)] = None,
         fork: Annotated[bool, typer.Option(
             "--fork", help="ask about SESSION in a new session of yours that starts from its "
                            "history (the only way to ask about the agent's sessions; operators)")
@@ -45,9 +46,10 @@ def ask(ctx: typer.Context,
         fork_as: Annotated[str | None, typer.Option(
             "--as", help="id of the new session with --fork [default: <user>@SESSION]")] = None,
         asset: Annotated[str | None, typer.Option(
-            "--asset", "-a", help="ask about this asset: its latest measured diagnosis is the "
-                                  "context, and the answer is shown only if it agrees with it "
-                                  "(in the daemon's session ASSET:ask:<your user name>)")
+            "--asset", "-a", autocompletion=completion.assets,
+            help="ask about this asset: its latest measured diagnosis is the context, and the "
+                 "answer is shown only if it agrees with it (in the daemon's session "
+                 "ASSET:ask:<your user name>)")
         ] = None,
         max_tokens: Annotated[int | None, typer.Option(
             "--max-tokens", "-n", min=1, help="answer length limit [default: the daemon's]")
@@ -133,7 +135,8 @@ def sessions_list(ctx: typer.Context, socket: SocketOpt = None, json_out: JsonOp
 
 
 def sessions_show(ctx: typer.Context,
-                  session: Annotated[str, typer.Argument(help="session id")],
+                  session: Annotated[str, typer.Argument(
+                      help="session id", autocompletion=completion.sessions)],
                   transcript: Annotated[bool, typer.Option(
                       "--transcript", help="the whole conversation")] = False,
                   raw: Annotated[bool, typer.Option(
@@ -169,7 +172,8 @@ def _conversation(turns: Any, text: str, raw: bool) -> str:
 
 
 def sessions_drop(ctx: typer.Context,
-                  session: Annotated[str, typer.Argument(help="session id")],
+                  session: Annotated[str, typer.Argument(
+                      help="session id", autocompletion=completion.sessions)],
                   socket: SocketOpt = None, json_out: JsonOpt = False,
                   timeout: TimeoutOpt = None) -> None:
     """Forget a session and release its blocks."""
@@ -179,7 +183,8 @@ def sessions_drop(ctx: typer.Context,
 
 
 def sessions_adopt(ctx: typer.Context,
-                   session: Annotated[str, typer.Argument(help="session id")],
+                   session: Annotated[str, typer.Argument(
+                      help="session id", autocompletion=completion.sessions)],
                    force: Annotated[bool, typer.Option(
                        "--force", help="take it even from a box that is alive (that box stops "
                                        "writing it)")] = False,

@@ -151,3 +151,29 @@ def test_kvctl_ask_and_sessions(srv: Server, capsys: pytest.CaptureFixture[str])
 
     srv.daemon.services.engine = Full()
     assert main(["--socket", sock, "ask", "q"]) == 75
+
+
+def test_completion_offers_what_the_daemon_knows(srv: Server) -> None:
+    """Shell completion of session ids asks the daemon (the --socket on the line so far);
+    without a daemon it offers nothing and prints nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from kvctl import completion
+
+    with srv.client() as c:
+        for sid in ("op-7", "op-8", "shift-1"):
+            assert c.post(f"/v1/sessions/{sid}/ask", json={"question": "q", "max_tokens": 1,
+                                                           "stream": False}).status_code == 200
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'cli'}", "_KVCTL_COMPLETE": "complete_bash",
+           "COMP_WORDS": f"kvctl --socket {srv.path} sessions show op-", "COMP_CWORD": "5"}
+    r = subprocess.run([sys.executable, "-m", "kvctl.main"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout.split() == ["op-7", "op-8"], (r.stdout, r.stderr)
+    env["COMP_WORDS"] = "kvctl --socket /nonexistent.sock sessions show op-"
+    r = subprocess.run([sys.executable, "-m", "kvctl.main"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout.split() == [] and r.stderr == ""
+    assert completion.tiers("w") == ["warm"]
