@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: run test lint bench setup system-deps clean install uninstall
+.PHONY: run test lint bench setup system-deps clean install uninstall man docs
 
 setup: $(STAMP)
 
@@ -59,6 +59,14 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
+# man pages of kvagentd and kvctl into ./man (make install puts them under MANDIR); the
+# configuration reference docs/configuration.md (checked in; the tests keep it current)
+man: $(STAMP)
+	$(BIN)/python docs/generate.py man man/man1
+
+docs: $(STAMP)
+	$(BIN)/python docs/generate.py configuration
+
 clean:
 	rm -rf var bench/results/*.json
 
@@ -77,6 +85,7 @@ UNITDIR      ?= /etc/systemd/system
 SYSUSERSDIR  ?= /usr/lib/sysusers.d
 TMPFILESDIR  ?= /usr/lib/tmpfiles.d
 KVCTL_LINK   ?= /usr/local/bin/kvctl
+MANDIR       ?= /usr/local/share/man
 VENV_SOURCE  ?=
 IVENV        := $(DESTDIR)$(PREFIX)/venv
 CONFDIR      := $(DESTDIR)$(SYSCONFDIR)/kvagentd
@@ -113,6 +122,7 @@ else
 	ln -sfn $(abspath $(VENV_SOURCE)) $(IVENV)
 endif
 	install -m 0644 README.md $(DESTDIR)$(PREFIX)/README.md
+	$(IVENV)/bin/python docs/generate.py man $(DESTDIR)$(MANDIR)/man1 >/dev/null
 	install -d -m 0755 $(dir $(DESTDIR)$(KVCTL_LINK))
 	ln -sfn $(PREFIX)/venv/bin/kvctl $(DESTDIR)$(KVCTL_LINK)
 	# 2. users and directories (sysusers.d, tmpfiles.d)
@@ -175,7 +185,7 @@ endif
 	rm -rf $(DESTDIR)$(UNITDIR)/kvagentd.service.d $(DESTDIR)$(UNITDIR)/kvagentd-health.service.d
 	rm -f $(DESTDIR)/etc/udev/rules.d/60-kvagentd-cold.rules $(DESTDIR)/etc/tmpfiles.d/kvagentd-paths.conf
 	rm -f $(DESTDIR)$(SYSUSERSDIR)/kvagentd.conf $(DESTDIR)$(TMPFILESDIR)/kvagentd.conf
-	rm -f $(DESTDIR)$(KVCTL_LINK)
+	rm -f $(DESTDIR)$(KVCTL_LINK) $(DESTDIR)$(MANDIR)/man1/kvagentd*.1 $(DESTDIR)$(MANDIR)/man1/kvctl*.1
 	rm -rf $(IVENV) $(DESTDIR)$(PREFIX)/README.md
 	-rmdir $(DESTDIR)$(PREFIX)
 ifeq ($(DESTDIR),)

@@ -61,6 +61,9 @@ def test_the_tree(installed: Path) -> None:
     assert venv.is_symlink() and (venv / "bin" / "kvagentd").exists()
     assert (d / PREFIX.lstrip("/") / "README.md").read_text() == (ROOT / "README.md").read_text()
     assert os.readlink(d / "usr/local/bin/kvctl") == f"{PREFIX}/venv/bin/kvctl"
+    man = d / "usr/local/share/man/man1"
+    assert {"kvagentd.1", "kvctl.1", "kvctl-health.1", "kvagentd-check-config.1"} <= {
+        p.name for p in man.glob("*.1")}
     assert (d / "usr/lib/sysusers.d/kvagentd.conf").read_text() == \
         (ROOT / "systemd/kvagentd.sysusers").read_text()
     assert (d / "usr/lib/tmpfiles.d/kvagentd.conf").exists()
