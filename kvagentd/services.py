@@ -210,6 +210,7 @@ def build_tiers(config: Config, geometry: KVGeometry, namespace: bytes,
     from kvagentd.kvcache.cold import build_cold_tier
     from kvagentd.kvcache.remote import RemoteColdTier
     from kvagentd.kvcache.store import TieredKVStore
+    from kvagentd.kvcache.store.budget import WriteBudget
 
     import torch
 
@@ -228,7 +229,8 @@ def build_tiers(config: Config, geometry: KVGeometry, namespace: bytes,
                           access_listener=access_listener,
                           persist_on_shutdown=config.kv.persist_on_shutdown,
                           prefetch_queue=config.placement.prefetch_max_inflight,
-                          write_behind=write_behind_policy(config))
+                          write_behind=write_behind_policy(config),
+                          write_budget=WriteBudget(int(config.kv.ssd_write_budget_bytes_per_day)))
     return Tiers(store, built[0])
 
 

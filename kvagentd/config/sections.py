@@ -109,6 +109,12 @@ class KVConfig:
     write_behind_interval_s: float = field(default=30.0, metadata=_rng(0.0, 86400.0))
     write_behind_rate_bytes_per_s: ByteSize = field(default=ByteSize(64 << 20),
                                                     metadata=_rng(1 << 20, None))
+    # Bytes per day the store may write to the cold tier (write-behind and demotions; 0: no
+    # limit): a 256 GB industrial SSD rated 150 TBW lasts 10 years at 41 GB a day, shared
+    # with the OS and its logs; a quarter of that. What does not fit stays in RAM or is
+    # recomputed from the session's token ids when needed again.
+    ssd_write_budget_bytes_per_day: ByteSize = field(default=ByteSize(10 * 1000**3),
+                                                     metadata=_rng(0, None))
 
 
 @dataclass(frozen=True, slots=True)

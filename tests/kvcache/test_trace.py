@@ -116,7 +116,7 @@ def test_control_routes_dump_stream_and_status(tmp_path):
     import json
     import types
 
-    from kvagentd.control.errors import BadRequest, NotReady
+    from kvagentd.control.errors import BadRequest, NotFound
     from kvagentd.control.handlers import placement as handler
     from kvagentd.control.router import Response, Router
     from kvagentd.kvcache.placement.base import Capacities
@@ -151,8 +151,9 @@ def test_control_routes_dump_stream_and_status(tmp_path):
     router2 = Router()
     handler.register(router2, types.SimpleNamespace(services=types.SimpleNamespace(placement=None),
                                                    config=config))
-    with pytest.raises(NotReady):
+    with pytest.raises(NotFound) as exc:  # a ready daemon without placement: not configured
         _call(router2, "GET", "/v1/placement")
+    assert exc.value.kind == "not_configured"
 
 
 def test_a_dump_under_heat_prefetch_holds_the_accesses_the_prefetcher_saw_first(tmp_path):

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, ColdTier, Tier
+from kvagentd.kvcache.store.budget import WriteBudget
 from kvagentd.kvcache.store.migration import Migrator, Transfer
 from kvagentd.kvcache.store.pool import BlockPool
 from kvagentd.kvcache.store.room import ROUNDS, Drop, Leg, PoolState, plan_drop, plan_moves, plan_room
@@ -33,8 +34,11 @@ class Mover:
     promoted, lost, dropped, prefetch_queued, prefetch_dropped, cold_copies_dropped)."""
 
     def __init__(self, pools: dict[Tier, BlockPool], table: BlockTable, cold: ColdTier | None,
-                 *, staged: bool, counters: dict[str, int], prefetch_queue: int = 64) -> None:
+                 *, staged: bool, counters: dict[str, int], prefetch_queue: int = 64,
+                 budget: WriteBudget | None = None) -> None:
         self.pools, self.t, self.cold = pools, table, cold
+        self.budget = budget  # the SSD's write budget: demotions that do not fit become drops
+        self._block_bytes = pools[Tier.HOT].block_bytes or pools[Tier.WARM].block_bytes
         self.staged = staged  # hot <-> cold goes through warm (the hot pool is on a GPU)
         self.counters = counters
         self.migrator = Migrator(pools, table.owners, cold, table.cond)
@@ -119,8 +123,10 @@ class Mover:
         return n
 
     def _cold_writable(self) -> bool:
-        """The cold tier takes demotions now (not read-only for wear or an operator)."""
-        return self.cold is not None and not self.cold.read_only
+        """The cold tier takes demotions now (not read-only for wear or an operator, and the
+        SSD's write budget has a block's worth left)."""
+        return self.cold is not None and not self.cold.read_only and (
+            self.budget is None or self.budget.available() >= self._block_bytes)
 
     def bring(self, metas: list[BlockMeta], dst: Tier) -> None:
         """Move a request's held blocks up to `dst` (to warm: only cold ones), in prefix
@@ -175,6 +181,15 @@ class Mover:
                     todo = todo[:self.pools[leg.dst].num_free]
                 if not todo:
                     continue
+                if leg.dst is Tier.COLD and self.budget is not None:
+                    # blocks with a cold copy cost no write; of the others, as many as the
+                    # budget has room for (the rest stay; room they hold is made by drops)
+                    need = [m for m in todo if not m.in_cold]
+                    granted = self.budget.take_blocks(len(need), self._block_bytes)
+                    left = {id(m) for m in need[granted:]}
+                    todo = [m for m in todo if id(m) not in left]
+                    if not todo:
+                        continue
                 transfers = self.migrator.prepare(todo, leg.dst)
                 assert transfers is not None
                 for tr in transfers:

@@ -53,6 +53,7 @@ from kvagentd.kvcache.store.pool import BlockPool
 from kvagentd.kvcache.store.room import ROUNDS
 from kvagentd.kvcache.store.state import STATE_TIER, BlockMeta, BlockState
 from kvagentd.kvcache.store.table import BlockTable
+from kvagentd.kvcache.store.budget import WriteBudget
 from kvagentd.kvcache.store.writebehind import WriteBehind, WriteBehindPolicy
 
 log = structlog.get_logger(__name__)
@@ -69,7 +70,8 @@ class TieredKVStore(KVStore):
     def __init__(self, geometry: KVGeometry, namespace: bytes, *, hot_bytes: int, warm_bytes: int,
                  cold: ColdTierFactory | None = None, device: str | torch.device = "cpu",
                  access_listener: AccessListener | None = None, persist_on_shutdown: bool = True,
-                 prefetch_queue: int = 64, write_behind: WriteBehindPolicy | None = None) -> None:
+                 prefetch_queue: int = 64, write_behind: WriteBehindPolicy | None = None,
+                 write_budget: WriteBudget | None = None) -> None:
         self.geometry = geometry
         self.namespace = namespace
         self.device = torch.device(device)
@@ -92,12 +94,14 @@ class TieredKVStore(KVStore):
         if self._cold is not None and self._cold.namespace != namespace:
             self._cold.close()
             raise ValueError("the cold tier was opened for another namespace")
+        self.write_budget = write_budget
         self._mover = Mover(self._pools, self._t, self._cold, staged=self.device.type != "cpu",
-                            counters=self.counters, prefetch_queue=prefetch_queue)
+                            counters=self.counters, prefetch_queue=prefetch_queue,
+                            budget=write_budget)
         self._mig = self._mover.migrator
         self._closed = False
         self._wb = (WriteBehind(self._t, self._pools, self._cold, write_behind,
-                                epoch=lambda: self.cold_link.epoch)
+                                epoch=lambda: self.cold_link.epoch, budget=write_budget)
                     if self._cold is not None and write_behind is not None
                     and write_behind.enabled else None)
         if self._cold is not None:
@@ -404,6 +408,8 @@ class TieredKVStore(KVStore):
             cold["records"] = cold.get("blocks", 0)
         cold.update(blocks=n_cold, bytes=n_cold * bb)
         out["tiers"]["cold"] = cold
+        out["write_budget"] = (self.write_budget.status() if self.write_budget is not None
+                               else None)
         out["write_behind"] = (self._wb.status() if self._wb is not None
                                else {"enabled": False})
         return out

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import structlog
 
 from kvagentd.kvcache.base import BlockKey, ColdTier, Tier
+from kvagentd.kvcache.store.budget import WriteBudget
 from kvagentd.kvcache.store.persist import SCAN_CHUNK, collect_refs
 from kvagentd.kvcache.store.pool import BlockPool
 from kvagentd.kvcache.store.state import BlockMeta, BlockState
@@ -70,8 +71,11 @@ class WriteBehind:
 
     def __init__(self, table: BlockTable, pools: dict[Tier, BlockPool], cold: ColdTier,
                  policy: WriteBehindPolicy, *, epoch: Callable[[], int],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 budget: WriteBudget | None = None) -> None:
         self.t, self.pools, self.cold, self.policy = table, pools, cold, policy
+        self.budget = budget
+        self.over_budget = 0  # rounds that stopped for the SSD's write budget
         self.epoch = epoch
         self.clock = clock
         shape, dtype = pools[Tier.HOT].block_shape, pools[Tier.HOT].arena.dtype
@@ -130,7 +134,12 @@ class WriteBehind:
                 for i in range(0, len(todo), step):
                     if self._stop.is_set():
                         break
-                    w, m, r = self._write(todo[i:i + step])
+                    batch = todo[i:i + step]
+                    if self.budget is not None and not self.budget.take(
+                            len(batch) * self.block_bytes):
+                        self.over_budget += 1  # the rest waits (in RAM) for the next round
+                        break
+                    w, m, r = self._write(batch)
                     written, moved, refused = written + w, moved + m, refused + r
                     nbytes += w * self.block_bytes
                     self._pace(nbytes, t0)
@@ -205,6 +214,7 @@ class WriteBehind:
     def status(self) -> dict[str, Any]:
         last = self.last
         return {"enabled": self.policy.enabled, "paused": self.paused,
+                "rounds_over_budget": self.over_budget,
                 "interval_s": self.policy.interval_s,
                 "rate_bytes_per_s": self.policy.rate_bytes_per_s, "rounds": self.rounds,
                 "errors": self.errors, "written_blocks": self.written_blocks,
