@@ -178,6 +178,14 @@ def _store_summary(v: dict[str, Any]) -> list[str]:
                f"  evicted {c.get('evicted', 0)}"
                f"{'  READ-ONLY' if c.get('read_only') else ''}"
                + (f"  serving {fo.get('serving')}" if fo else ""))
+    wb = v.get("write_budget") or {}
+    if wb:
+        limit = wb.get("bytes_per_day")
+        out.append(f"ssd      written {render.size(wb.get('written_bytes'))} "
+                   f"({render.size(wb.get('written_per_day_bytes'))}/day since start)  budget "
+                   + (f"{render.size(limit)}/day, {render.size(wb.get('available_bytes'))} "
+                      f"left now" if limit else "none")
+                   + f"  refused {render.size(wb.get('refused_bytes'))}")
     out.append(f"loads    hot {v.get('loaded_hot', 0)}  warm {v.get('loaded_warm', 0)}  cold "
                f"{v.get('loaded_cold', 0)}  lost {v.get('lost', 0)}  migrations "
                f"{v.get('migrations', 0)}")

@@ -69,6 +69,8 @@ def human(key: str, value: Any) -> str:
             return size(value)
         if (k in _TIME_KEYS or k.endswith(("_at", "_time", "_since"))) and value > _EPOCH_MIN:
             return when(value)
+        if k.endswith(("_mm_s", "_m_s2")):  # a velocity or an acceleration, not a duration
+            return f"{value:.3g} {'mm/s' if k.endswith('_mm_s') else 'm/s²'}"
         if k.endswith("_s") or k.endswith("_seconds"):
             return duration(value)
         if k.endswith("ratio") or k.endswith("_fill") or k == "fragmentation":

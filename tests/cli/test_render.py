@@ -117,3 +117,22 @@ def test_status_says_how_many_cold_records_capacity_evicted() -> None:
                            "codec": "raw", "evicted": 1234}}}})
     (line,) = [x for x in text.splitlines() if x.startswith("cold ")]
     assert "530 blocks" in line and "evicted 1234" in line and "512.0 MiB of 512.0 MiB" in line
+
+
+def test_a_velocity_key_is_not_read_as_seconds() -> None:
+    lines = dict(line.split(":", 1) for line in
+                 render.kv({"rms_mm_s": 0.94, "ttft_s": 0.5, "peak_m_s2": 12.0}).splitlines())
+    assert lines["rms_mm_s"].strip() == "0.94 mm/s"  # it read "0.9s" (a duration)
+    assert lines["ttft_s"].strip() == "0.5s"  # a duration stays one
+    assert lines["peak_m_s2"].strip() == "12 m/s²"
+
+
+def test_status_shows_the_ssd_write_budget() -> None:
+    text = render_status({"version": "x", "phase": "running", "store": {
+        "tiers": {"cold": {"blocks": 1}},
+        "write_budget": {"bytes_per_day": 10 * 1000**3, "available_bytes": 1 << 20,
+                         "written_bytes": 5 << 20, "written_per_day_bytes": 2 * 1000**3,
+                         "refused_bytes": 3 << 20}}})
+    (line,) = [x for x in text.splitlines() if x.startswith("ssd ")]
+    assert "written 5.0 MiB" in line and "budget 9.3 GiB/day" in line
+    assert "1.0 MiB left now" in line and "refused 3.0 MiB" in line
