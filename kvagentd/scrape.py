@@ -12,7 +12,8 @@ none=0 low=1 medium=2 high=3, `kvagentd_health_check_status` ok=0, degraded=1, f
 An asset's measured values (RMS, zone, fault, severity, kurtosis, defect lines) describe its
 last usable window; once that is older than the agent's stale limit (the sensor stopped, or
 sends only refused windows) they are withdrawn, not repeated: a dead sensor must not read as
-zone A. `kvagentd_asset_sensor_stale` says so, and the data age keeps growing.
+zone A. Before the first window since start there are none (the event log's last row is the
+previous run's). `kvagentd_asset_sensor_stale` says so, and the data age keeps growing.
 """
 
 from __future__ import annotations
@@ -271,6 +272,8 @@ def _assets(s: Scrape) -> Iterator[Metric]:
             is_stale.add_metric([v.name], 1)
             continue
         is_stale.add_metric([v.name], 0)
+        if v.data_age_s is None:
+            continue  # no window since start: the last row is the previous run's
         if v.last_rms_mm_s is not None:
             rms.add_metric([v.name], v.last_rms_mm_s / 1000.0)
         if v.last_zone in ZONE_NUMBER:
