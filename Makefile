@@ -28,8 +28,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 
 # System tools the tests need: mosquitto (MQTT tests start a broker), redis-server (remote
 # tier tests start one), openssl (test TLS certificates), systemd-analyze, systemd-sysusers and
-# systemd-tmpfiles (unit and install tests). Installed with apt-get when missing; a test whose
-# tool is still missing fails and says so.
+# systemd-tmpfiles (unit and install tests), promtool (deploy/ rule and dashboard tests; Debian
+# ships it in the `prometheus` package). Installed with apt-get when missing; a test whose tool
+# is still missing fails and says so.
 system-deps:
 	@if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	    need=""; \
@@ -37,6 +38,7 @@ system-deps:
 	    command -v redis-server >/dev/null 2>&1 || test -x /usr/bin/redis-server || need="$$need redis-server"; \
 	    command -v openssl >/dev/null 2>&1 || need="$$need openssl"; \
 	    command -v systemd-analyze >/dev/null 2>&1 || need="$$need systemd"; \
+	    command -v promtool >/dev/null 2>&1 || need="$$need prometheus"; \
 	    if [ -n "$$need" ]; then \
 	        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need) \
 	            >/dev/null 2>&1 || echo "note: could not install$$need; dependent tests will say so"; \

@@ -33,6 +33,7 @@ class AssetView(NamedTuple):
     llm_errors: int = 0  # model turns failed since start
     llm_cut: int = 0  # model turns the tick's deadline cut since start
     llm_withheld: int = 0  # commentaries the check withheld since start
+    last_diagnosis: dict[str, Any] | None = None  # of the last usable window (`Diagnosis.as_dict`)
 
 
 class _AssetState(Protocol):
@@ -88,4 +89,5 @@ def asset_view(st: _AssetState, last_row: dict[str, Any] | None, config: AgentCo
         last_refused=str(newest.get("note") or "refused")
         if newest and newest.get("kind") == "bad_data" else None,
         llm_failing=st.llm_failing, llm_error=st.llm_error, llm_errors=st.llm_errors,
-        llm_cut=st.llm_cut, llm_withheld=st.withheld)
+        llm_cut=st.llm_cut, llm_withheld=st.withheld,
+        last_diagnosis=(last_row or {}).get("diagnosis"))

@@ -2,18 +2,23 @@
 
 Every service registers its own metrics on `Daemon.metrics` (a `CollectorRegistry`);
 `GET /v1/metrics` renders the whole registry in the Prometheus text format.
+
+No counter or histogram exposes a `_created` series: they doubled the families, and Prometheus
+does not use them (`disable_created_metrics()` is process-wide and applies to metrics made
+after it, so it runs where the registry is made, before any service registers its own).
 """
 
 from __future__ import annotations
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info,
-                               PlatformCollector, ProcessCollector)
+                               PlatformCollector, ProcessCollector, disable_created_metrics)
 
 from kvagentd import __version__
 
 
 def new_registry() -> CollectorRegistry:
     """A fresh registry with process metrics (RSS, CPU, fds: watch RSS growth over days)."""
+    disable_created_metrics()
     registry = CollectorRegistry(auto_describe=True)
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)

@@ -5,10 +5,17 @@ per-asset state and job outcomes, and the health checks.
 Names follow the Prometheus conventions: base units in the name (`_bytes`, `_seconds`,
 `_meters_per_second`, `_ratio` for 0-1), `_total` for counters, labels for tiers, devices,
 assets and checks. Enumerations are one gauge per value (1 for the current one):
-`kvagentd_cold_serving{tier="shadow"} 1`. Numeric codes, for alert rules:
-`kvagentd_asset_zone` A=1 .. D=4, `kvagentd_health_check_status` ok=0, degraded=1, failing=2
-(the settled levels, after the hysteresis), `kvagentd_commentary_status` ok=0, missing=1 (the
+`kvagentd_cold_serving{tier="shadow"} 1`, `kvagentd_asset_fault{kind="outer_race"} 1`. Numeric
+codes, for alert rules: `kvagentd_asset_zone` A=1 .. D=4, `kvagentd_asset_fault_severity`
+none=0 low=1 medium=2 high=3, `kvagentd_health_check_status` ok=0, degraded=1, failing=2 (the
+settled levels, after the hysteresis), `kvagentd_commentary_status` ok=0, missing=1 (the
 model's commentary, never part of health).
+
+An asset's measured values (RMS, zone, fault, severity, kurtosis, defect lines) describe its
+last usable window; once that is older than the agent's stale limit (the sensor stopped, or
+sends only refused windows) they are withdrawn, not repeated: a dead sensor must not read as
+zone A. Before the first window since start there are none (the event log's last row is the
+previous run's). `kvagentd_asset_sensor_stale` says so, and the data age keeps growing.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvagentd.agent.diagnosis.bearing import PRIMARY_LINE
+from kvagentd.agent.diagnosis.result import FAULTS, SEVERITIES
 from kvagentd.agent.view import ZONE_NUMBER
 
 if TYPE_CHECKING:
+    from kvagentd.agent.view import AssetView
     from kvagentd.health import Facts, Report
     from kvagentd.scheduling.jobwatch import JobRecord
 
@@ -31,6 +41,8 @@ log = structlog.get_logger(__name__)
 SERVING = ("ssd", "shadow", "restoring")
 SSD_STATES = ("ok", "worn", "failed", "unknown", "not checked")
 _STATUS_CODE = {"ok": 0, "degraded": 1, "failing": 2}
+SEVERITY_CODE = {s: i for i, s in enumerate(SEVERITIES)}  # none=0 low=1 medium=2 high=3
+DEFECT_LINES = tuple(PRIMARY_LINE.values())  # BPFO, BPFI, 2xBSF, FTF
 
 
 class Scrape(NamedTuple):
@@ -134,6 +146,36 @@ def _store(st: dict[str, Any], lost: int | None) -> Iterator[Metric]:
         c = _c(name, doc)
         c.add_metric([], lost if key == "lost" and lost is not None else st.get(key, 0))
         yield c
+    yield from _write_behind(st.get("write_behind") or {})
+
+
+def _write_behind(wb: dict[str, Any]) -> Iterator[Metric]:
+    """The store's write-behind to the cold tier, while it is enabled. A round that takes
+    longer than the interval is the rate budget (`rate_bytes_per_s`) falling behind."""
+    if not wb.get("enabled"):
+        return
+    for key, name, doc in (
+            ("rounds", "kvagentd_kv_write_behind_rounds", "Write-behind rounds run"),
+            ("errors", "kvagentd_kv_write_behind_errors", "Write-behind rounds that failed"),
+            ("written_bytes", "kvagentd_kv_write_behind_written_bytes",
+             "Bytes of blocks written behind to the cold tier"),
+            ("refused_blocks", "kvagentd_kv_write_behind_refused_blocks",
+             "Blocks the cold tier refused to write behind")):
+        c = _c(name, doc)
+        c.add_metric([], wb.get(key) or 0)
+        yield c
+    interval = _g("kvagentd_kv_write_behind_interval_seconds",
+                  "Configured time between write-behind rounds")
+    interval.add_metric([], wb.get("interval_s") or 0.0)
+    yield interval
+    if wb.get("last_round_s") is not None:
+        last = _g("kvagentd_kv_write_behind_round_seconds",
+                  "Duration of the last write-behind round (paced to rate_bytes_per_s)")
+        last.add_metric([], wb["last_round_s"])
+        unsaved = _g("kvagentd_kv_write_behind_unsaved_blocks",
+                     "Blocks still without a cold copy when the last round ended")
+        unsaved.add_metric([], wb.get("unsaved_blocks") or 0)
+        yield from (last, unsaved)
 
 
 def _cold(f: Facts) -> Iterator[Metric]:
@@ -202,6 +244,14 @@ def _cold(f: Facts) -> Iterator[Metric]:
             yield wear
 
 
+def stale(v: AssetView) -> bool:
+    """Whether the asset's last usable window is past the agent's stale limit (or none came
+    in that long since start): its measured values are no longer the machine's."""
+    if v.data_age_s is None:
+        return v.running_s > v.stale_after_s
+    return v.data_age_s > v.stale_after_s
+
+
 def _assets(s: Scrape) -> Iterator[Metric]:
     views = s.facts.assets
     rms = _g("kvagentd_asset_rms_velocity_meters_per_second",
@@ -212,19 +262,59 @@ def _assets(s: Scrape) -> Iterator[Metric]:
     anomaly = _g("kvagentd_asset_anomaly", "1 when the last window was flagged", ["asset"])
     age = _g("kvagentd_asset_sensor_data_age_seconds",
              "Seconds since the last usable window (MQTT link: kvagentd_mqtt_*)", ["asset"])
+    is_stale = _g("kvagentd_asset_sensor_stale",
+                  "1 while the last usable window is older than the stale limit (the asset's "
+                  "measured values are withdrawn)", ["asset"])
     bad = _c("kvagentd_asset_bad_windows", "Windows refused, by reason", ["asset", "reason"])
+    fault = _g("kvagentd_asset_fault", "Diagnosed fault of the last window: 1 for the current "
+                                       "kind (none when no fault)", ["asset", "kind"])
+    severity = _g("kvagentd_asset_fault_severity",
+                  "Severity of the diagnosed fault: none=0 low=1 medium=2 (zone C) high=3 "
+                  "(zone D)", ["asset"])
+    confidence = _g("kvagentd_asset_fault_confidence_ratio",
+                    "How much of the fault's signature is present, 0-1 (a grade of the "
+                    "evidence, not a probability)", ["asset"])
+    kurtosis = _g("kvagentd_asset_kurtosis", "Kurtosis of the last window (3 for Gaussian "
+                                             "noise; impacts raise it)", ["asset"])
+    line = _g("kvagentd_asset_defect_line_strength",
+              "Envelope-spectrum line of a bearing defect over the noise floor (BPFO outer "
+              "race, BPFI inner race, 2xBSF ball, FTF cage)", ["asset", "line"])
+    threshold = _g("kvagentd_asset_defect_line_threshold",
+                   "Strength at which the defect line counts as significant", ["asset", "line"])
     for v in views:
+        if v.data_age_s is not None:
+            age.add_metric([v.name], v.data_age_s)
+        for reason, n in v.bad_samples.items():
+            bad.add_metric([v.name, reason], n)
+        if stale(v):
+            is_stale.add_metric([v.name], 1)
+            continue
+        is_stale.add_metric([v.name], 0)
+        if v.data_age_s is None:
+            continue  # no window since start: the last row is the previous run's
         if v.last_rms_mm_s is not None:
             rms.add_metric([v.name], v.last_rms_mm_s / 1000.0)
         if v.last_zone in ZONE_NUMBER:
             zone.add_metric([v.name], ZONE_NUMBER[v.last_zone])
         if v.last_anomaly is not None:
             anomaly.add_metric([v.name], 1 if v.last_anomaly else 0)
-        if v.data_age_s is not None:
-            age.add_metric([v.name], v.data_age_s)
-        for reason, n in v.bad_samples.items():
-            bad.add_metric([v.name, reason], n)
-    yield from (rms, zone, anomaly, age, bad)
+        d = v.last_diagnosis
+        if not d:
+            continue
+        if d.get("fault") in FAULTS:
+            for kind in FAULTS:
+                fault.add_metric([v.name, kind], 1 if d["fault"] == kind else 0)
+        if d.get("severity") in SEVERITY_CODE:
+            severity.add_metric([v.name], SEVERITY_CODE[d["severity"]])
+        for fam, key in ((confidence, "confidence"), (kurtosis, "kurtosis")):
+            if isinstance(d.get(key), int | float):
+                fam.add_metric([v.name], float(d[key]))
+        for fam, key in ((line, "ratios"), (threshold, "thresholds")):
+            for name, value in (d.get(key) or {}).items():
+                if name in DEFECT_LINES and isinstance(value, int | float):
+                    fam.add_metric([v.name, name], float(value))
+    yield from (rms, zone, anomaly, age, is_stale, bad, fault, severity, confidence, kurtosis,
+                line, threshold)
     ticks = _c("kvagentd_agent_ticks", "Sensor ticks done per asset", ["asset"])
     skipped = _c("kvagentd_agent_ticks_skipped",
                  "Due ticks not run: the previous one still ran (overlap) or too late (missed)",

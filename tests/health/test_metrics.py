@@ -12,17 +12,21 @@ from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvagentd.agent.diagnosis.result import FAULTS
 from kvagentd.agent.view import AssetView
 from kvagentd.config import Config, ConfigError, load_config, parse_listen
 from kvagentd.daemon.core import Daemon
+from kvagentd.engine.metrics import EngineMetrics
 from kvagentd.health import Acknowledgements, DaemonFacts, Facts, assess
 from kvagentd.health.facts import WearFacts
 from kvagentd.scheduling.jobwatch import JobRecord
 from kvagentd.kvcache.cold import ColdView
-from kvagentd.metrics.scrape import Scrape, ScrapeCollector
 from kvagentd.daemon.systemd import Notifier
+from kvagentd.metrics.registry import CoreMetrics, new_registry
+from kvagentd.metrics.scrape import Scrape, ScrapeCollector
 from tests.control.conftest import make_config
 
 
@@ -45,8 +49,10 @@ def test_scrape_names_units_and_labels() -> None:
                     index_discarded={"ssd": "not a database", "shadow": None},
                     failovers=1, failbacks=0)
     view = AssetView("pump-1", "mqtt", "mqtt h:1 t", False, 62.0, 600.0, 8.0, "C", 3.25, True,
-                     {"stale": 18})
-    facts = Facts(daemon=DaemonFacts("running", 9.0, 0.1, 5.0, True, 4), assets=(view,),
+                     {"stale": 18}, last_diagnosis=DIAGNOSIS)
+    fresh = AssetView("pump-2", "simulated", "simulated", None, 1.5, 600.0, 8.0, "C", 4.5, True,
+                      {}, last_diagnosis=DIAGNOSIS)
+    facts = Facts(daemon=DaemonFacts("running", 9.0, 0.1, 5.0, True, 4), assets=(view, fresh),
                   cold=cold, lost_blocks=11, wear=WearFacts("ok", 42.0, None, 10.0, 3600.0),
                   memory_available=1 << 30, memory_total=2 << 30)
     report = assess(load_config(None, env={}), facts, Acknowledgements())
@@ -76,10 +82,17 @@ def test_scrape_names_units_and_labels() -> None:
     assert m[("kvagentd_cold_failovers_total", ())] == 1
     assert m[("kvagentd_ssd_wear_ratio", ())] == 0.42
     assert m[("kvagentd_ssd_health", (("state", "ok"),))] == 1
-    assert m[("kvagentd_asset_rms_velocity_meters_per_second", (("asset", "pump-1"),))] == 0.00325
-    assert m[("kvagentd_asset_zone", (("asset", "pump-1"),))] == 3
-    assert m[("kvagentd_asset_anomaly", (("asset", "pump-1"),))] == 1
+    assert m[("kvagentd_asset_rms_velocity_meters_per_second", (("asset", "pump-2"),))] == 0.0045
+    assert m[("kvagentd_asset_zone", (("asset", "pump-2"),))] == 3
+    assert m[("kvagentd_asset_anomaly", (("asset", "pump-2"),))] == 1
+    assert m[("kvagentd_asset_sensor_stale", (("asset", "pump-2"),))] == 0
+    # pump-1's last window is 62 s old (stale after 8 s): its values are withdrawn, its age is not
     assert m[("kvagentd_asset_sensor_data_age_seconds", (("asset", "pump-1"),))] == 62
+    assert m[("kvagentd_asset_sensor_stale", (("asset", "pump-1"),))] == 1
+    assert not {k for k in m if ("asset", "pump-1") in k[1] and "_asset_" in k[0]} - {
+        ("kvagentd_asset_sensor_data_age_seconds", (("asset", "pump-1"),)),
+        ("kvagentd_asset_sensor_stale", (("asset", "pump-1"),)),
+        ("kvagentd_asset_bad_windows_total", (("asset", "pump-1"), ("reason", "stale")))}
     assert m[("kvagentd_asset_bad_windows_total", (("asset", "pump-1"), ("reason", "stale")))] == 18
     assert m[("kvagentd_agent_ticks_total", (("asset", "pump-1"),))] == 10
     assert m[("kvagentd_agent_ticks_skipped_total", (("asset", "pump-1"),
@@ -87,6 +100,80 @@ def test_scrape_names_units_and_labels() -> None:
     assert m[("kvagentd_health_status", ())] == 2  # the stale sensor is failing
     assert m[("kvagentd_health_check_status", (("check", "sensor:pump-1"),))] == 2
     assert m[("kvagentd_health_check_status", (("check", "cold-tier"),))] == 1
+
+
+DIAGNOSIS = {"fault": "outer_race", "severity": "medium", "confidence": 0.8, "zone": "C",
+             "rms_mm_s": 4.5, "kurtosis": 5.25,
+             "ratios": {"BPFO": 9.5, "BPFI": 1.25, "2xBSF": 1.5, "FTF": 1.0},
+             "thresholds": {"BPFO": 4.25, "BPFI": 4.5, "2xBSF": 4.5, "FTF": 4.0}}
+
+
+def _asset_samples(*views: AssetView) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    facts = Facts(daemon=DaemonFacts("running", 9.0, 0.1, 5.0, True, 4), assets=views)
+    report = assess(load_config(None, env={}), facts, Acknowledgements())
+    reg = CollectorRegistry()
+    reg.register(ScrapeCollector(lambda: Scrape(facts, report, None, {})))
+    return _samples(generate_latest(reg).decode())
+
+
+def test_asset_fault_severity_confidence_kurtosis_and_defect_lines() -> None:
+    view = AssetView("pump-1", "simulated", "simulated", None, 1.0, 60.0, 8.0, "C", 4.5, True,
+                     {}, last_diagnosis=DIAGNOSIS)
+    m = _asset_samples(view)
+    a = ("asset", "pump-1")
+    faults = {k[1][1][1]: v for k, v in m.items() if k[0] == "kvagentd_asset_fault"}
+    assert faults == {kind: (1 if kind == "outer_race" else 0) for kind in FAULTS}
+    assert m[("kvagentd_asset_fault_severity", (a,))] == 2
+    assert m[("kvagentd_asset_fault_confidence_ratio", (a,))] == 0.8
+    assert m[("kvagentd_asset_kurtosis", (a,))] == 5.25
+    assert m[("kvagentd_asset_defect_line_strength", (a, ("line", "BPFO")))] == 9.5
+    assert m[("kvagentd_asset_defect_line_strength", (a, ("line", "2xBSF")))] == 1.5
+    assert m[("kvagentd_asset_defect_line_threshold", (a, ("line", "FTF")))] == 4.0
+    # the fault clears: the same series, none=1, severity 0
+    healthy = dict(DIAGNOSIS, fault="none", severity="none")
+    m = _asset_samples(view._replace(last_diagnosis=healthy, last_zone="A"))
+    assert m[("kvagentd_asset_fault", (a, ("kind", "none")))] == 1
+    assert m[("kvagentd_asset_fault", (a, ("kind", "outer_race")))] == 0
+    assert m[("kvagentd_asset_fault_severity", (a,))] == 0
+    assert m[("kvagentd_asset_zone", (a,))] == 1
+
+
+def test_a_dead_sensor_withdraws_the_asset_values() -> None:
+    """The sensor stops: while the last window is within the stale limit its values stand;
+    past it, zone, RMS, fault and lines are gone (not held at zone A) and the stale gauge and
+    the age say why. Before the first window since start nothing is shown, and a sensor that
+    never delivered is stale once the limit has passed."""
+    a = ("asset", "pump-1")
+    view = AssetView("pump-1", "simulated", "simulated", None, 7.5, 600.0, 8.0, "A", 0.9, False,
+                     {}, last_diagnosis=dict(DIAGNOSIS, fault="none", severity="none"))
+    m = _asset_samples(view)
+    assert m[("kvagentd_asset_zone", (a,))] == 1 and m[("kvagentd_asset_sensor_stale", (a,))] == 0
+    m = _asset_samples(view._replace(data_age_s=8.5))
+    assert m[("kvagentd_asset_sensor_stale", (a,))] == 1
+    assert m[("kvagentd_asset_sensor_data_age_seconds", (a,))] == 8.5
+    measured = {k[0] for k in m if a in k[1] and k[0].startswith("kvagentd_asset_")}
+    assert measured == {"kvagentd_asset_sensor_stale", "kvagentd_asset_sensor_data_age_seconds"}
+    # after a restart, before the first window: the last row is the previous run's
+    never = view._replace(data_age_s=None)
+    m = _asset_samples(never._replace(running_s=5.0))
+    assert {k[0] for k in m if a in k[1] and k[0].startswith("kvagentd_asset_")} == {
+        "kvagentd_asset_sensor_stale"}
+    assert m[("kvagentd_asset_sensor_stale", (a,))] == 0
+    assert _asset_samples(never._replace(running_s=60.0))[("kvagentd_asset_sensor_stale",
+                                                           (a,))] == 1
+
+
+def test_no_created_series() -> None:
+    """Counters and histograms of the daemon's registry expose no `_created` (both formats)."""
+    reg = new_registry()
+    core = CoreMetrics(reg)
+    core.loop_iterations.inc()
+    core.tick_seconds.labels("pump-1").observe(0.2)
+    EngineMetrics(reg).generated_tokens.inc(3)
+    text = generate_latest(reg).decode()
+    assert "kvagentd_main_loop_iterations_total 1.0" in text
+    assert "_created" not in text
+    assert b"_created" not in openmetrics.generate_latest(reg)
 
 
 def test_listen_values() -> None:
