@@ -147,6 +147,25 @@ def _store(st: dict[str, Any], lost: int | None) -> Iterator[Metric]:
         c.add_metric([], lost if key == "lost" and lost is not None else st.get(key, 0))
         yield c
     yield from _write_behind(st.get("write_behind") or {})
+    yield from _write_budget(st.get("write_budget") or {})
+
+
+def _write_budget(b: dict[str, Any]) -> Iterator[Metric]:
+    """The SSD's write budget (`kv.ssd_write_budget_bytes_per_day`): what write-behind and
+    demotions wrote and were refused; the alert compares the written rate with the budget."""
+    if not b:
+        return
+    written = _c("kvagentd_ssd_budget_written_bytes",
+                 "Bytes the store wrote to the cold tier under the SSD write budget")
+    written.add_metric([], b.get("written_bytes") or 0)
+    refused = _c("kvagentd_ssd_budget_refused_bytes",
+                 "Bytes not written for the SSD write budget (kept in RAM or recomputed later)")
+    refused.add_metric([], b.get("refused_bytes") or 0)
+    yield from (written, refused)
+    if b.get("bytes_per_day"):
+        per_day = _g("kvagentd_ssd_budget_bytes_per_day", "The SSD write budget, bytes a day")
+        per_day.add_metric([], b["bytes_per_day"])
+        yield per_day
 
 
 def _write_behind(wb: dict[str, Any]) -> Iterator[Metric]:
