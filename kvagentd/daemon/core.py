@@ -40,6 +40,7 @@ from kvagentd.scheduling.jobevents import JOB_EVENTS, JobEventListener
 from kvagentd.scheduling.jobwatch import JobWatch
 from kvagentd.kvcache.transitions import check_transition
 from kvagentd.daemon.loop_requests import LoopRequests
+from kvagentd.maintenance.platform import PlatformWatch
 from kvagentd.metrics.registry import CoreMetrics, new_registry
 from kvagentd.metrics.http import MetricsListener, start_listener
 from kvagentd.daemon.reload import merge_reloadable
@@ -88,6 +89,8 @@ class Daemon:
         self.scheduler.add_listener(JobEventListener(self.jobs, self.core_metrics, log),
                                     JOB_EVENTS)
         self.acks = Acknowledgements()
+        m = config.maintenance  # the box's counters count from here (maintenance/platform.py)
+        self.platform = PlatformWatch(m.sysfs_root, m.proc_root, config.kv.cold_dir)
         self.metrics.register(ScrapeCollector(self.scrape))
         self.settled = Settled()  # health's hysteresis: every report passes through it
         self.config_rejected: str | None = None  # the last reload's error (health: config)
@@ -425,7 +428,7 @@ class Daemon:
                 metrics_error=self.metrics_error, config_rejected=self.config_rejected,
                 config_pending=self.config_pending),
             jobs=self.jobs, scheduler=self.scheduler if self.scheduler.running else None,
-            now=time.time())
+            now=time.time(), platform=self.platform)
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -20,6 +20,10 @@ Each check, and what makes it degraded (D) or failing (F):
   record left was pinned or in use): D when any since start or the last `kvctl health ack`.
 - ssd-wear: D at `wear_degraded_percent`, worn, or a stale SMART status file; F SMART says the
   device failed; unknown (no status file): `wear_unknown`.
+- memory-errors: D corrected ECC errors since start or the last ack, F an uncorrected one.
+  thermal: D CPU throttle events since start or the last ack. pcie: D a GPU or NVMe link
+  narrower than it can be. storage:cold: D the cold directory on tmpfs, a network filesystem
+  or mounted nobarrier / data=writeback (maintenance/platform.py).
 - memory: D below `memory_available_degraded` of RAM. disk:PATH: D below
   `maintenance.free_space_floor_bytes`, F full (less than one cold I/O unit free) or unreadable.
 
@@ -56,7 +60,8 @@ _LEVELS = {"ok": OK, "degraded": DEGRADED, "failing": FAILING}
 
 
 def assess(cfg: Config, facts: Facts, acks: Acknowledgements) -> Report:
-    """Every check, in a fixed order: daemon, services, per asset, cold tier, host."""
+    """Every check, in a fixed order: daemon, services, per asset, cold tier, host,
+    platform."""
     checks = [*_daemon(facts), *(_service(s, acks) for s in facts.services)]
     h = cfg.health
     for t in facts.ticks:
@@ -66,6 +71,8 @@ def assess(cfg: Config, facts: Facts, acks: Acknowledgements) -> Report:
     if facts.wear is not None:
         checks.append(ssd_wear(facts.wear, h, cfg.maintenance.wear_readonly_percent))
     checks += list(_host(facts, h, acks))
+    if facts.platform is not None:
+        checks += list(_platform(facts, acks))
     return Report(tuple(checks), acks.at, tuple(commentary(a) for a in facts.assets))
 
 
@@ -367,3 +374,29 @@ def _host(f: Facts, h: HealthConfig, acks: Acknowledgements) -> Iterator[Check]:
         yield Check("jobs", DEGRADED, f"job {j.job_id} failed {n}x, last "
                                       f"{age(j.last_error_age_s)} ago: {j.last_error}",
                     ackable=True, at_once=True)
+
+
+def _platform(f: Facts, acks: Acknowledgements) -> Iterator[Check]:
+    """The box under the daemon (`maintenance/platform.py`): memory errors, thermal
+    throttling, PCIe links, the cold directory's filesystem."""
+    p = f.platform
+    assert p is not None
+    if p.edac_uncorrected:
+        yield Check("memory-errors", FAILING, f"{p.edac_uncorrected} uncorrected ECC errors since "
+                    "start: the box may have computed wrong data; replace the DIMM (EDAC)",
+                    at_once=True)
+    elif p.edac_present:
+        n = acks.since("memory-errors", f.counters()["memory-errors"])
+        yield _counted("memory-errors", n, acks, "corrected ECC errors (EDAC): a DIMM is "
+                       "failing; hot and warm KV carry no checksum")
+    n = acks.since("thermal", f.counters()["thermal"])
+    yield _counted("thermal", n, acks, "CPU thermal throttle events: every tick runs slower "
+                   "(airflow, fan, heat sink)")
+    if p.pcie_degraded:
+        yield Check("pcie", DEGRADED, "links narrower than they can be (reseat the card or "
+                    "the drive): " + "; ".join(p.pcie_degraded), at_once=True)
+    if p.storage:
+        yield Check("storage:cold", DEGRADED, "; ".join(p.storage), at_once=True)
+    elif not p.read_errors:
+        yield Check("storage:cold", OK, "; ".join(("a local filesystem with safe mount "
+                                                   "options", *p.storage_notes)), at_once=True)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvagentd.agent.view import AssetView
     from kvagentd.config import Config
     from kvagentd.kvcache.cold import ColdView
+    from kvagentd.maintenance.platform import PlatformFacts, PlatformWatch
     from kvagentd.maintenance.service import Maintenance
     from kvagentd.services import Services
 
@@ -102,6 +103,7 @@ class Facts:
     free_space_floor: int = 0
     disk_full_below: int = 0  # less free than this is a full disk (one cold I/O unit)
     other_failed_jobs: tuple[JobFailure, ...] = field(default=())  # jobs of no service
+    platform: PlatformFacts | None = None  # memory errors, throttling, links, the cold fs
 
     def counters(self) -> dict[str, int]:
         """What `kvctl health ack` can acknowledge, by check name: totals since start."""
@@ -117,12 +119,17 @@ class Facts:
                 out[f"job:{f.job_id}"] = f.errors
         for f in self.other_failed_jobs:
             out[f"job:{f.job_id}"] = f.errors
+        if self.platform is not None:
+            out["memory-errors"] = self.platform.edac_corrected
+            out["thermal"] = self.platform.throttled
         return out
 
 
 def gather(cfg: Config, services: Services, *, started: Collection[str], daemon: DaemonFacts,
-           jobs: JobWatch, scheduler: BaseScheduler | None, now: float) -> Facts:
-    """Every fact the checks need, now (unix seconds)."""
+           jobs: JobWatch, scheduler: BaseScheduler | None, now: float,
+           platform: PlatformWatch | None = None) -> Facts:
+    """Every fact the checks need, now (unix seconds); `platform`: the daemon's watch of the
+    box (memory errors, throttling, links, the cold directory's filesystem)."""
     probe_errors: dict[str, str] = {}
 
     def probe(service: str, what: str, fn: Callable[[], T], default: T) -> T:
@@ -153,6 +160,8 @@ def gather(cfg: Config, services: Services, *, started: Collection[str], daemon:
         if store is not None else None
     wear = probe("maintenance", "SSD monitor", lambda: _wear(cfg, maint, now), None) \
         if maint is not None else None
+    plat = probe("maintenance", "platform", platform.read, None) \
+        if platform is not None else None
     service_facts = []
     for name, svc in services.in_order():
         sf = _service(name, svc, name in started, tuple(owned.get(name, ())))
@@ -169,7 +178,7 @@ def gather(cfg: Config, services: Services, *, started: Collection[str], daemon:
                  memory_total=int(mem["total_bytes"]), disks=disks,
                  free_space_floor=int(cfg.maintenance.free_space_floor_bytes),
                  disk_full_below=int(cfg.kv.io_unit_bytes),
-                 other_failed_jobs=tuple(other))
+                 other_failed_jobs=tuple(other), platform=plat)
 
 
 def _service(name: str, svc: Any, started: bool, failed: tuple[JobFailure, ...]) -> ServiceFacts:
