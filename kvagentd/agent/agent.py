@@ -271,6 +271,7 @@ class Agent:
     def _bad(self, st: AssetState, now: float, t0: float, reason: str, detail: str
              ) -> dict[str, Any]:
         st.bad[reason] += 1
+        st.track_sensor(reason)
         log.info("agent.bad_data", asset=st.asset.name, reason=reason, detail=detail)
         try:
             eid = self._record(st, t=now, kind="bad_data", note=f"{reason}: {detail}")
@@ -293,6 +294,8 @@ class Agent:
         except SpeedRefused as exc:
             return self._bad(st, now, t0, "speed", str(exc))
         d = diagnosis.as_dict()
+        st.track_sensor(None)
+        st.track_diagnosis(d)
         assert st.diagnoser.last is not None
         features: dict[str, Any] = st.diagnoser.last.features.as_dict()
         note = ""

@@ -8,11 +8,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import structlog
 
 from kvagentd.agent.diagnosis.diagnoser import Diagnoser
 from kvagentd.agent.model_client import Completion
 from kvagentd.agent.sensors import SensorSource
 from kvagentd.config import AssetConfig
+
+log = structlog.get_logger(__name__)
+# ticks in a row that must diagnose a new fault or severity before the log tells it (9 s at
+# the default 3 s: a diagnosis wavering at a fault's onset is not logged back and forth)
+FAULT_CONFIRM_TICKS = 3
+# bad-data reasons that mean no data comes (sensors.py), not one malformed window
+SENSOR_DOWN = frozenset({"stale", "missing", "io", "silent"})
 
 LATENCY_WINDOW = 1000  # tick latencies kept per asset for p50/p99
 
@@ -61,10 +69,49 @@ class AssetState:
     reused_tokens: int = 0
     prompt_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    logged_fault: tuple[str, str] = ("none", "none")  # (fault, severity) the log last told
+    fault_candidate: tuple[str, str] | None = None  # a new (fault, severity) being confirmed
+    fault_seen: int = 0  # ticks in a row the candidate was diagnosed
+    sensor_down: str | None = None  # why the sensor gives no usable data (logged once)
 
     @property
     def session(self) -> str:
         return f"{self.asset.name}-{self.session_index}"
+
+    def track_diagnosis(self, d: dict[str, Any]) -> None:
+        """Log the asset's fault appearing, changing (kind or severity) and clearing, once
+        each: a change counts after FAULT_CONFIRM_TICKS ticks in a row diagnose it, so a
+        diagnosis wavering at a fault's onset is not logged back and forth."""
+        now = (str(d.get("fault") or "none"), str(d.get("severity") or "none"))
+        if now == self.logged_fault:
+            self.fault_candidate, self.fault_seen = None, 0
+            return
+        if now != self.fault_candidate:
+            self.fault_candidate, self.fault_seen = now, 0
+        self.fault_seen += 1
+        if self.fault_seen < FAULT_CONFIRM_TICKS:
+            return
+        old, self.logged_fault = self.logged_fault, now
+        self.fault_candidate, self.fault_seen = None, 0
+        fields = dict(asset=self.asset.name, fault=now[0], severity=now[1],
+                      summary=d.get("summary"), zone=d.get("zone"))
+        if now[0] == "none":
+            log.info("agent.fault_cleared", was=old[0], **fields)
+        elif old[0] == "none":
+            log.warning("agent.fault_appeared", **fields)
+        else:
+            log.warning("agent.fault_changed", was=old[0], was_severity=old[1], **fields)
+
+    def track_sensor(self, bad: str | None) -> None:
+        """Log the sensor going silent (`bad`: a reason of SENSOR_DOWN) and coming back (a
+        usable window), once each; a malformed window (decode, length ...) is neither."""
+        if bad is not None and bad not in SENSOR_DOWN:
+            return
+        if bad is not None and self.sensor_down is None:
+            log.warning("agent.sensor_down", asset=self.asset.name, reason=bad)
+        elif bad is None and self.sensor_down is not None:
+            log.info("agent.sensor_back", asset=self.asset.name, was=self.sensor_down)
+        self.sensor_down = bad
 
     def wants_comment(self, every: str, max_gap: int, d: dict[str, Any]) -> bool:
         """Does this tick (diagnosis `d`) ask for a commentary (`agent.comment_every`)?"""
