@@ -150,10 +150,12 @@ endif
 	        systemd/$$u > $(DESTDIR)$(UNITDIR)/$$u.tmp && \
 	    chmod 0644 $(DESTDIR)$(UNITDIR)/$$u.tmp && mv $(DESTDIR)$(UNITDIR)/$$u.tmp $(DESTDIR)$(UNITDIR)/$$u; \
 	done
-	# 5. from the configuration: udev rule for the cold tier's disk, path and device drop-ins
-	$(IVENV)/bin/python -m kvagentd.daemon.deploy --config $(CONFDIR)/kvagentd.toml --root $(or $(DESTDIR),/) \
-	    --config-path $(SYSCONFDIR)/kvagentd/kvagentd.toml
+	# 5. from the configuration and this machine's disks: udev rule for the cold tier's disk,
+	# path and device drop-ins. Not in a DESTDIR tree (it would name the build machine's
+	# disk): there `kvagentd deploy` runs on the target once (a package's postinst).
 ifeq ($(DESTDIR),)
+	$(IVENV)/bin/kvagentd deploy --config $(CONFDIR)/kvagentd.toml \
+	    --config-path $(SYSCONFDIR)/kvagentd/kvagentd.toml
 	systemd-tmpfiles --create kvagentd.conf kvagentd-paths.conf
 	# 6. the SMART tools the health probe runs
 	@if ! command -v nvme >/dev/null 2>&1 || ! command -v smartctl >/dev/null 2>&1; then \

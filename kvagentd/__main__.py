@@ -122,6 +122,25 @@ def _check_memory(cfg: Config) -> str:
                if cfg.model.device == "auto" and device.type == "cpu" else ""))
 
 
+@app.command()
+def deploy(
+    config: ConfigOpt = DEFAULT_CONFIG_PATH,
+    root: Annotated[Path, typer.Option(help="where the files go; / on the target")] = Path("/"),
+    config_path: Annotated[str | None, typer.Option(
+        help="the config's path on the host, for the files' comments")] = None,
+) -> None:
+    """Write this machine's install files from the configuration (as root, on the box it
+    runs on): the udev rule for the cold tier's disk, the unit's path and device drop-ins
+    (`make install` runs it; a DESTDIR tree leaves it to the target). Then run
+    `udevadm control --reload` and `systemctl daemon-reload`."""
+    from kvagentd.daemon import deploy as deploy_mod
+
+    argv = ["--config", str(config), "--root", str(root)]
+    if config_path:
+        argv += ["--config-path", config_path]
+    raise typer.Exit(deploy_mod.main(argv))
+
+
 config_app = typer.Typer(help="Default configurations.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 

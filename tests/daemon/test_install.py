@@ -80,7 +80,19 @@ def test_the_tree(installed: Path) -> None:
     assert (units / "multi-user.target.wants/kvagentd.service").is_symlink()
     assert (units / "multi-user.target.wants/kvagentd-tune.service").is_symlink()
     assert (units / "timers.target.wants/kvagentd-health.timer").is_symlink()
-    # host-specific files from the configuration
+    # nothing of the build machine: its disk, serial or device path (the target's own are
+    # written there by `kvagentd deploy`)
+    assert not (d / "etc/udev/rules.d/60-kvagentd-cold.rules").exists()
+    assert not (units / "kvagentd-health.service.d/50-device.conf").exists()
+    disks = {p.name for p in Path("/sys/block").iterdir()}
+    for f in d.rglob("*"):
+        if f.is_file() and not f.is_symlink() and "venv" not in f.parts and f.suffix != ".1":
+            text = f.read_text(errors="replace")
+            assert not any(f"/dev/{disk}" in text for disk in disks), f
+    r = subprocess.run([str(d / PREFIX.lstrip("/") / "venv/bin/kvagentd"), "deploy", "--config",
+                        str(conf), "--root", str(d)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
     rule = (d / "etc/udev/rules.d/60-kvagentd-cold.rules").read_text()
     assert "kvagentd-tune.service" in rule and "nvme[0-9]" not in rule
     assert (units / "kvagentd.service.d/50-paths.conf").exists()
