@@ -19,9 +19,11 @@ itself with backoff (1 s doubling to 30 s) in every state but `stopped` and `mis
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +45,26 @@ class BrokerState(enum.Enum):
     DISCONNECTED = "disconnected"
     STOPPED = "stopped"
     MISCONFIGURED = "misconfigured"
+
+
+def connect_failure(exc: BaseException | None, broker: str) -> str:
+    """Why a connection to `broker` failed, in an operator's words: refused, DNS, TLS (the
+    certificate, or TLS on a plain port), unreachable, timed out."""
+    if exc is None:
+        return "no connection (the cause was not reported)"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"refused: nothing accepts connections on {broker} (the broker down, or another port)"
+    if isinstance(exc, socket.gaierror):
+        return f"DNS: the broker's host name does not resolve ({exc.strerror or exc})"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: the broker's certificate is not trusted ({exc.verify_message or exc})"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or exc} (a plain MQTT port, or a TLS setting the broker refuses)"
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return f"timed out connecting to {broker} (a firewall, or the host is down)"
+    if isinstance(exc, OSError) and exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+        return f"unreachable: no route to {broker} ({exc.strerror})"
+    return f"no connection: {type(exc).__name__}: {exc}"
 
 
 class BrokerConfigError(ValueError):
@@ -146,12 +168,14 @@ class BrokerConnection:
 
     def _on_connect_fail(self, client: Any, userdata: Any) -> None:
         self.failures += 1
+        # NOTE: paho calls this inside its `except OSError:` around the connect, without the
+        # exception: the one being handled is the cause
+        why = connect_failure(sys.exc_info()[1], self.broker)
         # A connection lost earlier stays `disconnected` (since then) while retries fail.
         lost = self.state is BrokerState.DISCONNECTED
-        self._set(BrokerState.DISCONNECTED if lost else BrokerState.UNREACHABLE,
-                  "no connection (network, TLS or certificate)")
+        self._set(BrokerState.DISCONNECTED if lost else BrokerState.UNREACHABLE, why)
         log.warning("mqtt.unreachable", asset=self.asset.name, broker=self.broker,
-                    tls=self.cfg.tls)
+                    tls=self.cfg.tls, reason=why)
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any,
                        properties: Any) -> None:

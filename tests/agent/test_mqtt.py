@@ -158,9 +158,33 @@ def test_a_broker_certificate_from_an_untrusted_ca_is_unreachable(
     src.start()
     try:
         assert wait_for(lambda: src.broker.state is BrokerState.UNREACHABLE)
-        assert src.broker.connects == 0 and "no connection" in src.status()["reason"]
+        reason = src.status()["reason"]
+        assert src.broker.connects == 0 and "certificate is not trusted" in reason, reason
     finally:
         src.stop()
+
+
+def test_the_cause_of_a_failed_connection_is_named(tmp_path: Path) -> None:
+    """Nothing listening, a host name that does not resolve: each says so."""
+    import socket as sk
+
+    free = sk.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there now
+    src = source(port, MqttConfig())
+    src.start()
+    try:
+        assert wait_for(lambda: src.broker.state is BrokerState.UNREACHABLE)
+        assert "refused: nothing accepts connections" in src.status()["reason"]
+    finally:
+        src.stop()
+    from kvagentd.agent.broker import connect_failure
+
+    why = connect_failure(sk.gaierror(-2, "Name or service not known"), "mqtt.invalid:1883")
+    assert why.startswith("DNS:") and "Name or service not known" in why
+    assert connect_failure(TimeoutError(), "b:1883").startswith("timed out")
+    assert connect_failure(None, "b:1883").startswith("no connection")
 
 
 def test_plain_connections_to_a_tls_listener_fail(tmp_path: Path, secure: Broker) -> None:
