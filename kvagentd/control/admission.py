@@ -38,6 +38,14 @@ log = structlog.get_logger(__name__)
 REFUSE_DELAY_S = 0.5
 TARPIT_MAX = 256
 WARN_EVERY_S = 10.0  # at most one warning per uid this often, with the count since the last
+# A uid refused this many times within SHED_WINDOW_S is shed for the rest of the window: its
+# connections whose client has already hung up are closed as soon as accepted, with no
+# reply, no log line and no metric each (those that wait for a reply still get their 503).
+# NOTE: a local client that connects and hangs up in a loop makes ~25,000 connections a
+# second; answering each with a 503 and counting it let the kernel's accept queue fill, and
+# everyone else's connects wait behind it (bench.flood, churn).
+SHED_AFTER = 64
+SHED_WINDOW_S = 1.0
 
 
 class Refusal(NamedTuple):
@@ -63,13 +71,43 @@ class Admission:
         self._tarpit: collections.deque[tuple[float, socket.socket, str]] = collections.deque()
         self.refused = 0  # every refusal
         self.refused_per_uid = 0  # refusals because the uid held its share
+        self.shed = 0  # connections closed unanswered (a uid shed for flooding)
+        self._recent: dict[int, tuple[float, int]] = {}  # uid -> (window start, refusals)
+        self._shedding: dict[int, float] = {}  # uid -> shed until (clock)
+
+    def shedding(self, uid: int) -> bool:
+        """True while `uid` floods (refused SHED_AFTER times in a window): the accept loop
+        closes its connection unanswered (counted in `shed`). Lock-free on purpose: one dict
+        read on the accept thread."""
+        until = self._shedding.get(uid)
+        if until is None:
+            return False
+        if self.clock() < until:
+            self.shed += 1
+            return True
+        self._shedding.pop(uid, None)
+        return False
 
     def admit(self, peer: Peer) -> Refusal | None:
         """Take a slot for `peer` (None), or return why not."""
         refusal = self._admit(peer)
         if refusal is not None and refusal.per_uid:
             self._warn(peer.uid, refusal.message)
+            self._count_refusal(peer.uid)
         return refusal
+
+    def _count_refusal(self, uid: int) -> None:
+        now = self.clock()
+        start, n = self._recent.get(uid, (now, 0))
+        if now - start >= SHED_WINDOW_S:
+            start, n = now, 0
+        n += 1
+        self._recent[uid] = (start, n)
+        if n >= SHED_AFTER:
+            self._shedding[uid] = start + SHED_WINDOW_S
+            self._recent.pop(uid, None)
+        if len(self._recent) > 4096:
+            self._recent = {u: v for u, v in self._recent.items() if now - v[0] < SHED_WINDOW_S}
 
     def _warn(self, uid: int, message: str) -> None:
         now = self.clock()
@@ -169,6 +207,7 @@ class Admission:
         with self._lock:
             return {"held": self._held, "uids": len(self._by_uid), "tarpit": len(self._tarpit),
                     "refused": self.refused, "refused_per_uid": self.refused_per_uid,
+                    "shed": self.shed, "shedding_uids": len(self._shedding),
                     "max_connections": self.max_total, "max_connections_per_uid": self.max_per_uid}
 
 

@@ -3,6 +3,7 @@ admitted (or refused) by its peer's uid before a thread is spent on it (`admissi
 
 from __future__ import annotations
 
+import socket
 import socketserver
 from typing import Any
 
@@ -53,6 +54,9 @@ class Listener(socketserver.ThreadingUnixStreamServer):
         except OSError:  # the peer left before we looked
             self.shutdown_request(request)
             return
+        if self.control.admission.shedding(peer.uid) and _hung_up(request):
+            request.close()  # a flooder's connection its client has closed: nobody to answer
+            return
         refusal = self.control.admission.admit(peer)
         if refusal is not None:
             self.control.observe("<rejected>", "-", 503, 0.0)
@@ -75,3 +79,14 @@ class Listener(socketserver.ThreadingUnixStreamServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.error("control_connection_failed", exc_info=True)
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """The peer closed its end without sending anything (a connect-and-hang-up loop): one
+    non-blocking peek. A client that sent a request and waits gets its 503 as before."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False  # still open, nothing sent yet: answered like any refusal
+    except OSError:
+        return True  # reset by the peer

@@ -77,3 +77,25 @@ def test_tarpit_answers_after_the_delay() -> None:
         assert reply.startswith(b"HTTP/1.1 503") and b"overloaded" in reply
         assert client.recv(4096) == b""  # and closed
     assert a.status()["tarpit"] == 0
+
+
+def test_a_flooding_uid_is_shed_for_the_rest_of_its_window() -> None:
+    """SHED_AFTER refusals within a window: that uid's connections are closed unanswered until
+    the window ends; other uids are not touched; after it, the uid is judged again."""
+    from kvagentd.control.admission import SHED_AFTER, SHED_WINDOW_S
+
+    clock = Clock()
+    a = Admission(max_total=100, max_per_uid=1, rate_per_uid=1.0, clock=clock)
+    flooder, other = Peer(pid=1, uid=65534, gid=65534), Peer(pid=2, uid=1000, gid=1000)
+    assert a.admit(flooder) is None  # its one slot
+    refusals = 0
+    while not a.shedding(flooder.uid):
+        assert a.admit(flooder) is not None
+        refusals += 1
+        assert refusals <= SHED_AFTER
+    assert refusals == SHED_AFTER and a.shed == 1
+    assert not a.shedding(other.uid) and a.admit(other) is None
+    assert a.shedding(flooder.uid) and a.shed == 2
+    clock.t += SHED_WINDOW_S
+    assert not a.shedding(flooder.uid)  # judged again: refused (and answered) first
+    assert a.status()["shed"] == 2
