@@ -6,6 +6,7 @@ every service's jobs); `job_info` is one job as the API shows it.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 from apscheduler.jobstores.base import JobLookupError
@@ -59,18 +60,19 @@ def run_job(scheduler: Any, job_id: str) -> dict[str, Any]:
 
 
 def pause_job(scheduler: Any, job_id: str) -> dict[str, Any]:
-    _job(scheduler, job_id)
-    try:
-        scheduler.pause_job(job_id)
-    except JobLookupError:
-        raise UnknownJob(job_id) from None
-    return job_info(_job(scheduler, job_id))
+    return _act(scheduler, job_id, scheduler.pause_job)
 
 
 def resume_job(scheduler: Any, job_id: str) -> dict[str, Any]:
+    return _act(scheduler, job_id, scheduler.resume_job)
+
+
+def _act(scheduler: Any, job_id: str, action: Callable[[str], Any]) -> dict[str, Any]:
+    """`action(job_id)` on a job that exists (UnknownJob otherwise, also when it went away
+    meanwhile); the job as it is afterwards."""
     _job(scheduler, job_id)
     try:
-        scheduler.resume_job(job_id)
+        action(job_id)
     except JobLookupError:
         raise UnknownJob(job_id) from None
     return job_info(_job(scheduler, job_id))
