@@ -63,9 +63,9 @@ class SessionView:
         if s is None:
             return None
         out = self._describe(s, self._tiers())
-        text = self.tokenizer.decode(s.token_ids[-512:], skip_special_tokens=False)
+        text = str(self.tokenizer.decode(s.token_ids, skip_special_tokens=False))
         out["tail"] = text[-tail_chars:]
-        turns = self.conversation(session_id)
+        turns = self.chat.turns(text) if self.chat is not None else None
         if turns is not None:
             out["last_turns"] = turns[-LAST_TURNS:]
         return out

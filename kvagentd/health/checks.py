@@ -381,15 +381,16 @@ def _platform(f: Facts, acks: Acknowledgements) -> Iterator[Check]:
     throttling, PCIe links, the cold directory's filesystem."""
     p = f.platform
     assert p is not None
+    counters = f.counters()
     if p.edac_uncorrected:
         yield Check("memory-errors", FAILING, f"{p.edac_uncorrected} uncorrected ECC errors since "
                     "start: the box may have computed wrong data; replace the DIMM (EDAC)",
                     at_once=True)
     elif p.edac_present:
-        n = acks.since("memory-errors", f.counters()["memory-errors"])
+        n = acks.since("memory-errors", counters["memory-errors"])
         yield _counted("memory-errors", n, acks, "corrected ECC errors (EDAC): a DIMM is "
                        "failing; hot and warm KV carry no checksum")
-    n = acks.since("thermal", f.counters()["thermal"])
+    n = acks.since("thermal", counters["thermal"])
     yield _counted("thermal", n, acks, "CPU thermal throttle events: every tick runs slower "
                    "(airflow, fan, heat sink)")
     if p.pcie_degraded:

@@ -94,7 +94,7 @@ class WriteBehind:
 
     def pause(self, reason: str | None) -> None:
         """Rounds write no blocks while `reason` is set (the cold disk below its floor)."""
-        if reason != self.paused and (reason is None) != (self.paused is None):
+        if (reason is None) != (self.paused is None):  # a change of state, not of wording
             if reason is None:
                 log.info("write_behind_resumed")
             else:
